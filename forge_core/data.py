@@ -1,0 +1,158 @@
+"""Rows in (JSONL / Parquet / a `datasets` name), token ids out: chat template, response-only labels,
+optional packing, and a step-indexed sample stream that makes resuming exact (position = step).
+
+Also the synthetic verifiable task the tiny default job learns: 3-digit addition.
+"""
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ForgeError
+
+__all__ = ["DataConfig", "read_rows", "require_fields", "chat_prompt_ids", "encode_sft", "sample_indices",
+           "collate_sft", "addition_rows", "IGNORE"]
+
+IGNORE = -100   # label of a token that is not trained on (prompt, padding)
+
+
+@dataclass
+class DataConfig:
+    path: str = "artifacts/tiny/data/train.jsonl"   # .jsonl / .json / .parquet file, or a `datasets` name
+    split: str = "train"                             # for a `datasets` name
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    eval_path: str | None = "artifacts/tiny/data/eval.jsonl"   # held-out rows; None: hold out eval_rows
+    eval_rows: int = 200                             # held-out rows evaluated (taken from the end if no eval_path)
+    max_length: int = 256                            # longer examples are truncated (and counted)
+    pack: bool = False                               # pack a micro-batch's examples into fewer rows
+
+
+def read_rows(source: str, split: str = "train") -> list[dict]:
+    path = Path(source)
+    if path.suffix in (".jsonl", ".json", ".parquet") or path.exists():
+        if not path.is_file():
+            raise ForgeError(f"data error: {source}: no such file")
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+            return pq.read_table(path).to_pylist()
+        return _read_jsonl(path)
+    import datasets
+    try:
+        return list(datasets.load_dataset(source, split=split))
+    except Exception as err:   # datasets raises many types; all mean "cannot get this data set"
+        raise ForgeError(f"data error: '{source}' is neither a local file nor a loadable data set "
+                         f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    text = path.read_text()
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        return json.loads(text)
+    rows = []
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ForgeError(f"data error: {path} line {line_no}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise ForgeError(f"data error: {path} line {line_no}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    if not rows:
+        raise ForgeError(f"data error: {path}: no rows")
+    return rows
+
+
+def require_fields(rows: list[dict], fields: list[str], source: str) -> None:
+    """Every row must carry every field; the error names the first bad row (1-based, = JSONL line)."""
+    for i, row in enumerate(rows, start=1):
+        for name in fields:
+            if row.get(name) is None:
+                raise ForgeError(f"data error: {source} row {i}: no '{name}' field (has: {', '.join(row)})")
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The user turn plus the assistant header, exactly what the model sees before it answers."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def encode_sft(tokenizer, prompt: str, response: str, max_length: int) -> tuple[list[int], list[int], bool]:
+    """(input_ids, labels, truncated): labels are IGNORE on the prompt, the response + EOS are trained."""
+    prompt_ids = chat_prompt_ids(tokenizer, prompt)
+    response_ids = tokenizer(response, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    ids = (prompt_ids + response_ids)[:max_length]
+    labels = ([IGNORE] * len(prompt_ids) + response_ids)[:max_length]
+    return ids, labels, len(prompt_ids) + len(response_ids) > max_length
+
+
+def sample_indices(step: int, batch_size: int, num_rows: int, seed: int) -> list[int]:
+    """Rows of global batch `step`: a fresh permutation per epoch, concatenated; a pure function of step."""
+    start, out = step * batch_size, []
+    while len(out) < batch_size:
+        epoch, offset = divmod(start + len(out), num_rows)
+        perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        out.extend(perm[offset:offset + batch_size - len(out)])
+    return out
+
+
+def collate_sft(examples: list[tuple[list[int], list[int]]], pad_id: int, pack: bool,
+                max_length: int) -> dict[str, torch.Tensor]:
+    """Right-pad into [N, S] tensors; with `pack`, first-fit the examples into rows of max_length and
+    restart position_ids per example (transformers then masks attention between packed examples)."""
+    rows = _first_fit(examples, max_length) if pack else [[ex] for ex in examples]
+    width = max(sum(len(ids) for ids, _ in row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        col = 0
+        for ids, labs in row:
+            n = len(ids)
+            input_ids[r, col:col + n] = torch.tensor(ids)
+            labels[r, col:col + n] = torch.tensor(labs)
+            position_ids[r, col:col + n] = torch.arange(n)
+            attention_mask[r, col:col + n] = 1
+            col += n
+    batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+    if not pack:    # packed rows must go without attention_mask: it is what enables packed-sequence masking
+        batch["attention_mask"] = attention_mask
+    return batch
+
+
+def _first_fit(examples: list[tuple[list[int], list[int]]], max_length: int) -> list[list]:
+    rows: list[list] = []
+    lengths: list[int] = []
+    for ex in examples:
+        for r, used in enumerate(lengths):
+            if used + len(ex[0]) <= max_length:
+                rows[r].append(ex)
+                lengths[r] += len(ex[0])
+                break
+        else:
+            rows.append([ex])
+            lengths.append(len(ex[0]))
+    return rows
+
+
+# ---- the synthetic verifiable task ----
+
+def addition_rows(num_rows: int, seed: int, digits: int = 3, exclude: set[str] = frozenset()) -> list[dict]:
+    """`123+456=` -> `579`: distinct problems, none of them in `exclude` (keeps eval held out)."""
+    rng = random.Random(seed)
+    rows, seen = [], set(exclude)
+    while len(rows) < num_rows:
+        a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
+        prompt = f"{a}+{b}="
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        rows.append({"prompt": prompt, "response": str(a + b), "answer": str(a + b)})
+    return rows

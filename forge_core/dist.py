@@ -1,0 +1,126 @@
+"""Process groups and device meshes: nccl+cuda when a GPU exists, gloo+cpu otherwise.
+
+Every rank builds every group, in the same order (torch's `new_group` is collective over the world).
+Without torchrun the same code runs as a single process (world size 1).
+"""
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .config import ForgeError
+
+__all__ = ["Dist", "Layout", "Roles", "init_dist", "init_roles", "close_dist", "exchange"]
+
+
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh                    # 1-D mesh over the whole world (SFT data parallel + FSDP)
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class Layout:
+    """How many ranks play each GRPO role; they must add up to the world size torchrun started."""
+    policy: int = 1                     # train (FSDP2) and generate (colocated vLLM)
+    reference: int = 1                  # frozen initial policy: per-token logprobs for the KL term
+    reward: int = 1                     # reward functions and the optional reward model
+
+
+@dataclass
+class Roles:
+    dist: Dist
+    policy_ranks: list[int]
+    reference_ranks: list[int]
+    reward_ranks: list[int]
+    policy_mesh: DeviceMesh | None = None           # only on policy ranks
+    reference_mesh: DeviceMesh | None = None        # only on reference ranks
+    groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.dist.rank
+
+    @property
+    def is_policy(self) -> bool:
+        return self.rank in self.policy_ranks
+
+    @property
+    def is_reference(self) -> bool:
+        return self.rank in self.reference_ranks
+
+    @property
+    def is_reward(self) -> bool:
+        return self.rank in self.reward_ranks
+
+
+def init_dist() -> Dist:
+    """Join (or, without torchrun, create) the default process group and a world mesh."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                device_id=device if device.type == "cuda" else None)
+    mesh = DeviceMesh(device.type, list(range(world_size)))
+    return Dist(rank, local_rank, world_size, device, mesh)
+
+
+def init_roles(layout: Layout) -> Roles:
+    """Split the world into policy | reference | reward ranks (in that order) with a group and mesh each."""
+    d = init_dist()
+    if min(layout.policy, layout.reference, layout.reward) < 0 or layout.policy < 1:
+        raise ForgeError(f"config error: layout needs policy >= 1 and no negative counts, got {layout}")
+    needed = layout.policy + layout.reference + layout.reward
+    if needed != d.world_size:
+        raise ForgeError(f"config error: layout policy={layout.policy} reference={layout.reference} "
+                         f"reward={layout.reward} needs {needed} ranks; torchrun started {d.world_size}")
+    policy = list(range(layout.policy))
+    reference = list(range(layout.policy, layout.policy + layout.reference))
+    reward = list(range(layout.policy + layout.reference, needed))
+    roles = Roles(d, policy, reference, reward)
+    for name, ranks in (("policy", policy), ("reference", reference), ("reward", reward)):
+        roles.groups[name] = dist.new_group(ranks) if ranks else None
+    if roles.is_policy:
+        roles.policy_mesh = DeviceMesh.from_group(roles.groups["policy"], d.device.type)
+    if roles.is_reference:
+        roles.reference_mesh = DeviceMesh.from_group(roles.groups["reference"], d.device.type)
+    return roles
+
+
+def exchange(payload, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank contributes one picklable object and receives everyone's (rank order). It is how token
+    ids go out to the reference and reward ranks and how rewards and logprobs come back."""
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, payload, group=group)
+    return gathered
+
+
+def close_dist() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

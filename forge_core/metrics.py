@@ -1,0 +1,84 @@
+"""Rank-0 output in one place: a console progress line, TensorBoard scalars and a JSONL file.
+
+`MetricLogger(out_dir, enabled=rank == 0)` is a no-op on the other ranks; `reduce_metrics` is the one
+cross-rank reduction that every rank calls before logging.
+"""
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MetricLogger", "reduce_metrics", "peak_memory_gb"]
+
+
+class MetricLogger:
+    def __init__(self, out_dir: str | Path, total_steps: int, enabled: bool, start_step: int = 0):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self._start_step = start_step
+        self._start_time = time.perf_counter()
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.out_dir / "metrics.jsonl", "a", buffering=1)
+        self._tb = SummaryWriter(str(self.out_dir / "tb"))
+
+    def log(self, step: int, metrics: dict[str, float], console_keys: tuple[str, ...] = ()) -> None:
+        """Write `metrics` for `step` (1-based, steps done so far) everywhere; print the chosen keys + ETA."""
+        if not self.enabled:
+            return
+        metrics = {k: float(v) for k, v in metrics.items()}
+        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        for key, value in metrics.items():
+            if math.isfinite(value):
+                self._tb.add_scalar(key, value, step)
+        shown = "  ".join(f"{k.removeprefix('train/')} {_fmt(metrics[k])}" for k in console_keys if k in metrics)
+        print(f"step {step}/{self.total_steps}  {shown}  eta {self._eta(step)}", flush=True)
+
+    def print(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()
+
+    def _eta(self, step: int) -> str:
+        done = step - self._start_step
+        if done <= 0:
+            return "?"
+        seconds = (time.perf_counter() - self._start_time) / done * (self.total_steps - step)
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+def reduce_metrics(sums: dict[str, float], group: dist.ProcessGroup | None = None,
+                   device: torch.device | str = "cpu") -> dict[str, float]:
+    """Sum every value over `group` (callers divide by counts they also summed): one all-reduce."""
+    if not sums:
+        return {}
+    keys = sorted(sums)
+    values = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(values, group=group)
+    return dict(zip(keys, values.tolist()))
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak accelerator memory allocated by torch, or on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20    # ru_maxrss is in KiB on Linux
+
+
+def _fmt(value: float) -> str:
+    if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+        return f"{value:.2e}"
+    return f"{value:.4g}"

@@ -1,0 +1,165 @@
+"""Hugging Face models and tokenizers in, FSDP2 shards out, safetensors directories back.
+
+`shard(load_model(cfg), mesh, fsdp_cfg)` applies activation checkpointing and `fully_shard` per decoder
+layer, then the root (torchtitan's order). The HF model class is used as is.
+"""
+
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from .ckpt import publish_dir
+from .config import ForgeError
+
+__all__ = ["ModelConfig", "FSDPConfig", "OptimConfig", "load_model", "load_tokenizer", "shard",
+           "build_optimizer", "optimizer_step", "export_hf", "full_state_dict"]
+
+
+@dataclass
+class ModelConfig:
+    path: str = "artifacts/tiny/sft"    # local HF directory (safetensors) or a hub id
+    trust_remote_code: bool = False     # never run code shipped with a checkpoint unless asked to
+
+
+@dataclass
+class FSDPConfig:
+    mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"   # auto: bf16 params on GPU, fp32 on CPU
+    activation_checkpointing: bool = False
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1           # cosine decays to lr * min_lr_ratio at the last step
+    max_grad_norm: float = 1.0          # 0 disables clipping
+
+
+def _resolve(path: str) -> str:
+    """A local directory as is; otherwise a hub id (org/name); anything else is a clear error."""
+    if Path(path).is_dir():
+        return path
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/")) and not Path(path).exists()
+    if not looks_like_hub_id:
+        raise ForgeError(f"model error: model.path '{path}': no such directory")
+    return path
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(_resolve(cfg.path), trust_remote_code=cfg.trust_remote_code)
+    except OSError as err:
+        raise ForgeError(f"model error: model.path '{cfg.path}': cannot load a tokenizer ({err})") from None
+
+
+def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    try:
+        return AutoModelForCausalLM.from_pretrained(_resolve(cfg.path), dtype=dtype, use_safetensors=True,
+                                                    trust_remote_code=cfg.trust_remote_code)
+    except OSError as err:
+        raise ForgeError(f"model error: model.path '{cfg.path}': cannot load a model ({err})") from None
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    assert isinstance(layers, nn.ModuleList), f"{type(model).__name__} has no model.layers ModuleList"
+    return layers
+
+
+def shard(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Module:
+    """Activation checkpointing (optional), then fully_shard each decoder layer and the root."""
+    bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and mesh.device_type == "cuda")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        if cfg.activation_checkpointing:
+            layer = checkpoint_wrapper(layer)
+            layers[i] = layer
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+    return model
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int):
+    """AdamW (no decay on norms and biases) and a linear warm-up + cosine decay schedule."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
+
+    def lr_factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return optim, torch.optim.lr_scheduler.LambdaLR(optim, lr_factor)
+
+
+def optimizer_step(model: nn.Module, optim, sched, max_grad_norm: float) -> float:
+    """Clip (if asked), step, advance the schedule, zero the grads; returns the pre-clip gradient norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    optim.step()
+    sched.step()
+    optim.zero_grad(set_to_none=True)
+    return norm.item()
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank joins the all-gather; rank 0 of the model's group gets the full CPU state dict."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def export_hf(model: nn.Module, tokenizer, out_dir: str | Path, group: dist.ProcessGroup | None = None) -> None:
+    """Write a safetensors HF directory that transformers and vLLM load directly; atomic (tmp + rename).
+
+    Collective: every rank of the model's FSDP group (`group`) calls it; the group's first rank writes.
+    """
+    from huggingface_hub import save_torch_state_dict
+    state = full_state_dict(model)
+    if dist.get_rank(group) == 0:
+        out_dir = Path(out_dir)
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        config = model.config
+        config.architectures = [_hf_class_name(model)]
+        config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if config.get_text_config().tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, tmp)
+        publish_dir(tmp, out_dir)
+    dist.barrier(group=group)
+
+
+def _hf_class_name(model: nn.Module) -> str:
+    """fully_shard swaps the class for `FSDP<Name>`; the exported config must name the HF class."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers."):
+            return cls.__name__
+    return type(model).__name__

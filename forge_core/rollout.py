@@ -1,0 +1,115 @@
+"""Colocated vLLM engines and the `Rollout` they produce: G sampled completions per prompt + logprobs.
+
+The engine runs inside the training process (`distributed_executor_backend="external_launcher"`), so
+generation, training and weight sync share one process and one device.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = ["EngineConfig", "SamplingConfig", "Rollout", "build_engine", "generate", "pad_left", "pad_right"]
+
+
+@dataclass
+class EngineConfig:
+    tensor_parallel_size: int = 1       # policy ranks per engine
+    dtype: str = "auto"                 # auto: bfloat16 on GPU, float32 on CPU (what FSDP computes in)
+    gpu_memory_utilization: float = 0.3  # GPU: share of memory for vLLM (weights + KV cache); CPU ignores it
+    kv_cache_gb: float = 0.25           # CPU: KV cache size per engine
+    max_model_len: int | None = None    # default: the model's max_position_embeddings
+    enforce_eager: bool = True          # CUDA graphs / torch.compile off: faster start, slower decode on GPU
+
+
+@dataclass
+class SamplingConfig:
+    num_generations: int = 8            # G completions per prompt (the group)
+    max_tokens: int = 16                # C: longest completion
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
+class Rollout:
+    prompt_ids: Tensor                  # [B*G, P] left-padded (each prompt repeated G times)
+    prompt_mask: Tensor                 # [B*G, P] 1 = real token
+    completion_ids: Tensor              # [B*G, C] right-padded
+    completion_mask: Tensor             # [B*G, C] 1 = generated token
+    sampler_logprobs: Tensor            # [B*G, C] vLLM's logprobs of the sampled tokens
+    truncated: Tensor                   # [B*G] bool: hit max_tokens without EOS
+    row_ids: list[int]                  # [B*G] data set row of each sequence
+    rewards: Tensor | None = None       # [B*G]
+    reward_terms: dict[str, Tensor] = field(default_factory=dict)   # function name -> [B*G] unweighted
+    reward_errors: int = 0              # reward-function calls that raised (scored 0)
+    ref_logprobs: Tensor | None = None  # [B*G, C]
+    advantages: Tensor | None = None    # [B*G]
+    old_logprobs: Tensor | None = None  # [B*G, C] trainer's logprobs before this step's updates
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def select(self, index: slice) -> "Rollout":
+        """The sequences in `index` (a slice), every per-sequence field cut the same way."""
+        cut = {k: (v[index] if isinstance(v, (Tensor, list)) else v) for k, v in vars(self).items()}
+        cut["reward_terms"] = {k: v[index] for k, v in self.reward_terms.items()}
+        return Rollout(**cut)
+
+
+def build_engine(model_path: str, cfg: EngineConfig, seed: int):
+    """One vLLM engine per group of `tensor_parallel_size` ranks, in this process. Collective: every rank
+    of the world must reach this line (see forge_core.dist.shadow_engine_groups for ranks without one)."""
+    from vllm import LLM
+    on_gpu = torch.cuda.is_available()
+    dtype = ("bfloat16" if on_gpu else "float32") if cfg.dtype == "auto" else cfg.dtype
+    return LLM(model=model_path, distributed_executor_backend="external_launcher",
+               tensor_parallel_size=cfg.tensor_parallel_size, dtype=dtype, seed=seed,
+               enforce_eager=cfg.enforce_eager, max_model_len=cfg.max_model_len,
+               gpu_memory_utilization=cfg.gpu_memory_utilization,
+               kv_cache_memory_bytes=None if on_gpu else int(cfg.kv_cache_gb * 2**30),
+               logprobs_mode="processed_logprobs",   # tempered logprobs, what the trainer computes
+               enable_prefix_caching=False)
+
+
+def generate(engine, prompts: list[list[int]], row_ids: list[int], cfg: SamplingConfig, pad_id: int,
+             seed: int, greedy: bool = False) -> Rollout:
+    """G samples per prompt (1 when greedy) with their per-token logprobs. Seeds are per request, so a
+    resumed run draws the same samples."""
+    from vllm import SamplingParams
+    G = 1 if greedy else cfg.num_generations
+    params = [SamplingParams(n=1, max_tokens=cfg.max_tokens, logprobs=0, seed=seed * 1_000_003 + i,
+                             temperature=0.0 if greedy else cfg.temperature,
+                             top_p=1.0 if greedy else cfg.top_p, top_k=-1 if greedy else cfg.top_k)
+              for i in range(len(prompts) * G)]
+    requests = [{"prompt_token_ids": ids} for ids in prompts for _ in range(G)]
+    outputs = engine.generate(requests, params, use_tqdm=False)
+    completions, logprobs, truncated = [], [], []
+    for out in outputs:
+        sample = out.outputs[0]
+        ids = list(sample.token_ids)
+        completions.append(ids)
+        logprobs.append([lp[tok].logprob for lp, tok in zip(sample.logprobs, ids)])
+        truncated.append(sample.finish_reason == "length")
+    prompt_ids, prompt_mask = pad_left([ids for ids in prompts for _ in range(G)], pad_id)
+    completion_ids, completion_mask = pad_right(completions, pad_id, width=cfg.max_tokens)
+    sampler_logprobs, _ = pad_right(logprobs, 0.0, width=cfg.max_tokens, dtype=torch.float32)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs,
+                   torch.tensor(truncated), [r for r in row_ids for _ in range(G)])
+
+
+def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([[pad_id] * (width - len(s)) + s for s in seqs], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
+    return ids, mask
+
+
+def pad_right(seqs: list[list], pad, width: int, dtype=torch.long) -> tuple[Tensor, Tensor]:
+    values = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], dtype=dtype)
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], dtype=torch.long)
+    return values, mask
+
+
+def join_engine_groups(cfg: EngineConfig):
+    raise NotImplementedError

@@ -1,0 +1,60 @@
+"""Reward functions: each is one plain Python function `(completion: str, row: dict) -> float`.
+
+`row` is the data set row the prompt came from (its answer field included). Name functions in the config:
+
+    rewards:
+      functions: [addition_correct, format_no_extra_text]       # from this file
+      weights: [1.0, 0.1]
+    # or a function in your own file / module:   functions: ["my_rewards.py:brevity", "mypkg.scoring:judge"]
+
+A function that raises scores 0 for that sample and is counted in `reward/errors`; the run continues.
+"""
+
+import re
+
+__all__ = ["addition_correct", "gsm8k_correct", "math_correct", "format_no_extra_text", "extract_gsm8k_answer"]
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def addition_correct(completion: str, row: dict) -> float:
+    """1 if the completion is exactly the sum (the synthetic task's answer), else 0."""
+    return float(completion.strip() == str(row["answer"]).strip())
+
+
+def extract_gsm8k_answer(text: str) -> str | None:
+    """GSM8K's gold format ends with `#### 42`; a model's answer is the number after ####, in \\boxed{},
+    or else its last number. Commas and a trailing `.0` are normalised away."""
+    for pattern in (r"####\s*(-?[\d,\.]+)", r"\\boxed\{([^}]*)\}", r"<answer>(.*?)</answer>"):
+        found = re.findall(pattern, text, flags=re.S)
+        if found:
+            text = found[-1]
+            break
+    numbers = _NUMBER.findall(text)
+    if not numbers:
+        return None
+    value = numbers[-1].replace(",", "")
+    return value[:-2] if value.endswith(".0") else value
+
+
+def gsm8k_correct(completion: str, row: dict) -> float:
+    """1 if the completion's final number equals the gold answer (GSM8K `#### N` format), else 0."""
+    gold = extract_gsm8k_answer(str(row["answer"]))
+    return float(gold is not None and extract_gsm8k_answer(completion) == gold)
+
+
+def math_correct(completion: str, row: dict) -> float:
+    """Symbolic equivalence with math-verify (pip install math-verify); exact GSM8K match without it."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return gsm8k_correct(completion, row)
+    answer = re.sub(r"</?answer>", "", completion)
+    gold = str(row["answer"]).split("####")[-1]
+    # math-verify's timeout uses signals, which only work in the main thread
+    return float(verify(parse(gold), parse(answer), timeout_seconds=None))
+
+
+def format_no_extra_text(completion: str, row: dict) -> float:
+    """1 if the completion is a bare number (no chatter before or after), else 0."""
+    return float(re.fullmatch(r"\s*-?\d+\s*", completion) is not None)

@@ -1,0 +1,49 @@
+"""Shared fixtures: the tiny artifacts (built once per session) and a real torchrun launcher."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_script(script: str, args: list[str], nproc: int | None = None, check: bool = True,
+               timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run a repo script as a user would: under `torchrun --standalone` when nproc is given, else plain python."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
+        if nproc else [sys.executable]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([*launcher, str(REPO / script), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} {' '.join(args)} exited {proc.returncode}\n"
+                             f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_metrics(out_dir: Path) -> dict[int, dict]:
+    """metrics.jsonl as {step: metrics}; a step logged twice (a resumed run) keeps its last entry."""
+    by_step = {}
+    for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step[row["step"]] = row
+    return by_step
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Path:
+    """artifacts of tools/build_tiny.py: init/ (model + tokenizer), data/{train,eval}.jsonl."""
+    out = tmp_path_factory.mktemp("tiny")
+    subprocess.run([sys.executable, str(REPO / "tools" / "build_tiny.py"), "--out", str(out)], check=True,
+                   cwd=REPO, capture_output=True)
+    return out
+
+
+def tiny_sft_args(tiny: Path, out_dir: Path, *extra: str) -> list[str]:
+    return ["--config", "configs/sft/tiny.yaml", "--model.path", str(tiny / "init"),
+            "--data.path", str(tiny / "data" / "train.jsonl"), "--data.eval_path", str(tiny / "data" / "eval.jsonl"),
+            "--out_dir", str(out_dir), *extra]

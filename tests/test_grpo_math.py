@@ -1,0 +1,80 @@
+"""The GRPO loss pieces against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from forge_core.rollout import Rollout
+from train_grpo import LossConfig, group_advantages, grpo_loss, kl_penalty, zero_variance_groups
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    std = torch.tensor([1.0, 0.0, 0.0, 0.0]).std().item()          # unbiased, as TRL: 0.5
+    expected = torch.tensor([0.75, -0.25, -0.25, -0.25]) / (std + 1e-4)
+    torch.testing.assert_close(group_advantages(rewards, 4, "group")[:4], expected)
+    torch.testing.assert_close(group_advantages(rewards, 4, "group")[4:], torch.zeros(4))
+    torch.testing.assert_close(group_advantages(rewards, 4, "none"),
+                               torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0]))
+    batch_std = rewards.std().item()
+    torch.testing.assert_close(group_advantages(rewards, 4, "batch")[0], torch.tensor(0.75 / (batch_std + 1e-4)))
+    assert zero_variance_groups(rewards, 4).tolist() == [False] * 4 + [True] * 4
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])        # log(ref/pi) = -0.5
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(0.5)
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.125)
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(math.exp(-0.5) + 0.5 - 1)
+
+
+def _rollout(adv, old, sampler, mask, ref=None) -> Rollout:
+    n, c = mask.shape
+    return Rollout(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long),
+                   torch.zeros(n, c, dtype=torch.long), mask, sampler, torch.zeros(n, dtype=torch.bool), [0] * n,
+                   ref_logprobs=ref, advantages=adv, old_logprobs=old)
+
+
+def test_clipped_surrogate_and_aggregations_by_hand():
+    # two sequences: 2 tokens and 1 token; ratios e^{0.5} (clipped for A>0) and e^{-0.5} (clipped for A<0)
+    logp = torch.tensor([[0.5, 0.0], [-0.5, 0.0]])
+    old = torch.zeros(2, 2)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    mb = _rollout(torch.tensor([1.0, -1.0]), old, old.clone(), mask)
+    cfg = LossConfig(epsilon=0.2, importance_sampling_cap=0)
+    # per token: seq0: -min(e^.5 * 1, 1.2 * 1) = -1.2 ; -min(1, 1) = -1 ; seq1: -min(-e^-.5, 0.8 * -1) = 0.8
+    t = [-1.2, -1.0, 0.8]
+    by_type = {"grpo": ((t[0] + t[1]) / 2 + t[2]) / 2, "bnpo": sum(t) / 3, "dr_grpo": sum(t) / (2 * 2),
+               "dapo": sum(t) / 3}
+    for loss_type, expected in by_type.items():
+        cfg.loss_type = loss_type
+        loss, stats = grpo_loss(logp, mb, cfg, max_tokens=2, num_micro=1, global_tokens=3, world=1)
+        assert loss.item() == pytest.approx(expected, abs=1e-6), loss_type
+        assert stats["clipped"] == 2          # seq0 token0 (ratio above 1.2, A>0) and seq1 (below 0.8, A<0)
+    cfg.epsilon_high = 0.28                   # clip-higher: e^0.5 = 1.65 still above 1.28
+    loss, _ = grpo_loss(logp, mb, cfg, max_tokens=2, num_micro=1, global_tokens=3, world=1)
+    assert loss.item() == pytest.approx((-1.28 - 1.0 + 0.8) / 3, abs=1e-6)
+
+
+def test_importance_weight_is_truncated_and_kl_is_added():
+    logp = torch.zeros(1, 1)
+    sampler = torch.tensor([[-2.0]])          # exp(0 - (-2)) = 7.39, truncated to the cap 3
+    mb = _rollout(torch.tensor([1.0]), None, sampler, torch.ones(1, 1, dtype=torch.long), ref=torch.tensor([[-0.5]]))
+    cfg = LossConfig(importance_sampling_cap=3.0, beta=0.1, kl_estimator="k1", loss_type="bnpo")
+    loss, stats = grpo_loss(logp, mb, cfg, max_tokens=1, num_micro=1, global_tokens=1, world=1)
+    assert loss.item() == pytest.approx(-1.0 * 3.0 + 0.1 * 0.5, abs=1e-6)
+    assert stats["kl"] == pytest.approx(0.5)
+
+
+def test_micro_batch_and_rank_scaling():
+    """dapo divides by the global token count and undoes FSDP's average over ranks; the others average."""
+    logp = torch.tensor([[0.1, 0.1]])
+    mb = _rollout(torch.tensor([1.0]), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.long))
+    cfg = LossConfig(importance_sampling_cap=0, loss_type="dapo")
+    one, _ = grpo_loss(logp, mb, cfg, 2, num_micro=1, global_tokens=2, world=1)
+    spread, _ = grpo_loss(logp, mb, cfg, 2, num_micro=2, global_tokens=8, world=4)
+    assert spread.item() == pytest.approx(one.item() * 2 / 8 * 4)
+    cfg.loss_type = "bnpo"
+    spread, _ = grpo_loss(logp, mb, cfg, 2, num_micro=2, global_tokens=8, world=4)
+    assert spread.item() == pytest.approx(one.item() / 2)

@@ -1,0 +1,128 @@
+"""train_sft.py end to end under real torchrun process groups (gloo, CPU)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, read_metrics, run_script, tiny_sft_args
+
+SHORT = ["--train.steps", "6", "--train.batch_size", "8", "--train.micro_batch_size", "4", "--train.log_every", "1",
+         "--train.eval_every", "0", "--data.eval_rows", "8", "--optim.warmup_steps", "2"]
+
+
+def test_two_rank_fsdp_matches_one_process(tiny, tmp_path):
+    run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "one", *SHORT), nproc=1)
+    run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "two", *SHORT), nproc=2)
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    for step in range(1, 7):
+        assert one[step]["train/loss"] == pytest.approx(two[step]["train/loss"], abs=1e-5), step
+        assert one[step]["train/grad_norm"] == pytest.approx(two[step]["train/grad_norm"], rel=1e-4), step
+    w1, w2 = load_file(tmp_path / "one" / "hf" / "model.safetensors"), load_file(tmp_path / "two" / "hf" / "model.safetensors")
+    assert w1.keys() == w2.keys()
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], atol=2e-5, rtol=0, msg=name)
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny, tmp_path):
+    args = [*SHORT, "--train.steps", "8", "--ckpt.save_every", "4"]
+    run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "straight", *args), nproc=2)
+    run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "split", *args, "--train.stop_at_step", "4"), nproc=2)
+    assert not (tmp_path / "split" / "hf").exists(), "a preempted run must not export final weights"
+    resumed = run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "split", *args), nproc=2)
+    assert "resumed from" in resumed.stdout
+    straight, split = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
+    for step in range(5, 9):
+        for key in ("train/loss", "train/lr", "train/grad_norm"):
+            assert split[step][key] == pytest.approx(straight[step][key], rel=1e-6, abs=1e-7), (step, key)
+    assert split[8]["eval/loss"] == pytest.approx(straight[8]["eval/loss"], rel=1e-6)
+
+
+def test_packing_gives_the_same_loss(tiny, tmp_path):
+    args = [*SHORT, "--train.steps", "2"]
+    run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "padded", *args))
+    run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "packed", *args, "--data.pack", "True"))
+    padded, packed = read_metrics(tmp_path / "padded"), read_metrics(tmp_path / "packed")
+    for step in (1, 2):
+        assert packed[step]["train/loss"] == pytest.approx(padded[step]["train/loss"], abs=1e-5)
+
+
+def test_exported_weights_load_in_transformers_with_the_trainers_logits(tiny, tmp_path):
+    """The HF export and the DCP checkpoint of the same step hold the same model: same logits."""
+    run_script("train_sft.py", tiny_sft_args(tiny, tmp_path, *SHORT, "--train.steps", "3"), nproc=2)
+    check = f"""
+import torch, sys
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import AutoModelForCausalLM, AutoTokenizer
+out = {str(tmp_path)!r}
+dcp_to_torch_save(out + "/checkpoints/step_000003", out + "/trainer.pt")
+trainer_state = torch.load(out + "/trainer.pt", weights_only=True)["model"]
+exported = AutoModelForCausalLM.from_pretrained(out + "/hf")
+assert exported.config.architectures == ["LlamaForCausalLM"], exported.config.architectures
+trainer = AutoModelForCausalLM.from_pretrained({str(tiny / "init")!r})
+trainer.load_state_dict(trainer_state)
+tok = AutoTokenizer.from_pretrained(out + "/hf")
+ids = tok(["12+34=", "999+1="], return_tensors="pt", padding=True)
+with torch.no_grad():
+    a, b = exported(**ids).logits, trainer(**ids).logits
+assert not torch.equal(trainer.model.embed_tokens.weight, AutoModelForCausalLM.from_pretrained({str(tiny / "init")!r}).model.embed_tokens.weight)
+torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_loss_falls_and_accuracy_rises(tiny, tmp_path):
+    run_script("train_sft.py", tiny_sft_args(tiny, tmp_path, "--train.steps", "400", "--train.eval_every", "400",
+                                             "--train.log_every", "50"), nproc=1)
+    metrics = read_metrics(tmp_path)
+    assert metrics[400]["train/loss"] < 0.6 * metrics[50]["train/loss"]
+    assert metrics[400]["eval/exact_match"] >= 0.2
+
+
+# ---- bad input: one clear line, exit code 2, nothing written ----
+
+def _fails_cleanly(proc, *fragments: str) -> None:
+    assert proc.returncode != 0
+    assert all(f in proc.stderr for f in fragments), proc.stderr[-3000:]
+    assert 'File "' + str(REPO / "train_sft.py") not in proc.stderr, "our code must not print a traceback"
+
+
+@pytest.mark.parametrize("override, fragments", [
+    (["--data.path", "/nonexistent/train.jsonl"], ["data error: /nonexistent/train.jsonl: no such file"]),
+    (["--model.path", "/nonexistent/model"], ["model error: model.path '/nonexistent/model': no such directory"]),
+])
+def test_missing_paths_are_clear_errors(tiny, tmp_path, override, fragments):
+    proc = run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "out", *override), check=False)
+    assert proc.returncode == 2
+    _fails_cleanly(proc, *fragments)
+    assert not (tmp_path / "out").exists()
+
+
+def test_row_without_a_field_is_named(tiny, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    rows = [{"prompt": "1+1=", "response": "2"}] * 16 + [{"question": "2+2=", "solution": "4"}]
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "out", "--data.path", str(bad)), check=False)
+    assert proc.returncode == 2
+    _fails_cleanly(proc, f"data error: {bad} row 17: no 'prompt' field (has: question, solution)")
+
+
+def test_unknown_and_mistyped_config_keys(tiny, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("optim:\n  lrr: 0.1\n")
+    proc = run_script("train_sft.py", ["--config", str(config)], check=False)
+    _fails_cleanly(proc, f"config error: {config}: unknown key 'optim.lrr' (did you mean 'optim.lr'?)")
+    config.write_text("train:\n  steps: many\n")
+    proc = run_script("train_sft.py", ["--config", str(config)], check=False)
+    _fails_cleanly(proc, f"config error: {config}: 'train.steps' expects int, got 'many'")
+
+
+def test_world_size_that_does_not_divide_the_batch(tiny, tmp_path):
+    proc = run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "out", *SHORT), nproc=3, check=False)
+    _fails_cleanly(proc, "config error: train.batch_size=8 must be a multiple of train.micro_batch_size=4 x 3 ranks")
+    assert not (tmp_path / "out").exists()

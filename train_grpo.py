@@ -1,0 +1,491 @@
+"""GRPO with SPMD roles: policy ranks train (FSDP2) and sample (colocated vLLM), reference ranks hold the
+frozen initial policy for the KL term, reward ranks score completions. No controller: every rank runs this
+file, and data moves between roles by collectives.
+
+    torchrun --standalone --nproc_per_node 3 train_grpo.py --config configs/grpo/tiny.yaml --loss.beta 0.04
+    sbatch slurm/grpo.sh configs/grpo/tiny.yaml
+
+One step (policy ranks):  generate G samples per prompt -> token ids out, rewards (+ reference logprobs)
+back -> group advantages -> clipped-surrogate updates -> all-gather the new weights into the engines.
+"""
+
+import importlib
+import importlib.util
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from forge_core.ckpt import CheckpointConfig, Checkpointer
+from forge_core.config import ForgeError, config_to_dict, load_config, run_main
+from forge_core.data import chat_prompt_ids, read_rows, require_fields, sample_indices
+from forge_core.dist import Layout, Roles, close_dist, exchange, init_roles
+from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
+from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
+                              load_tokenizer, optimizer_step, shard)
+from forge_core.rollout import EngineConfig, Rollout, SamplingConfig, build_engine, generate, join_engine_groups
+from forge_core.sync import sync_weights
+
+
+@dataclass
+class PromptDataConfig:
+    path: str = "artifacts/tiny/data/train.jsonl"   # .jsonl / .json / .parquet, or a `datasets` name
+    split: str = "train"
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"                     # handed to reward functions as row[answer_field]
+    eval_path: str = "artifacts/tiny/data/eval.jsonl"
+    eval_rows: int = 200
+
+
+@dataclass
+class RewardConfig:
+    functions: list[str] = field(default_factory=lambda: ["addition_correct"])  # rewards.py names or file.py:fn
+    weights: list[float] | None = None  # one per function; None = all 1
+    accuracy: str | None = None         # function whose mean is reported as accuracy; None = the first
+    model_path: str | None = None       # optional HF sequence-classification reward model (on reward ranks)
+    model_weight: float = 1.0
+
+
+@dataclass
+class LossConfig:
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    epsilon: float = 0.2                # clip range: ratio in [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float | None = None   # clip-higher (DAPO); None = epsilon
+    beta: float = 0.0                   # KL weight; 0 means the reference ranks do nothing
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    scale_rewards: Literal["group", "batch", "none"] = "group"   # "none" = Dr. GRPO advantages
+    drop_zero_variance_groups: bool = False   # dynamic sampling: groups whose rewards are all equal get no loss
+    num_iterations: int = 1             # PPO epochs over each generation batch
+    importance_sampling_cap: float = 3.0  # truncated IS weight between trainer and vLLM logprobs; 0 = off
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    prompts_per_step: int = 16          # B over all policy ranks; each yields G sequences
+    mini_batches: int = 1               # optimizer steps per generation batch and iteration
+    micro_batch_size: int = 64          # sequences per forward on one rank
+    sync_every: int = 1                 # weight sync to the engines every k steps
+    seed: int = 0
+    log_every: int = 1
+    eval_every: int = 50                # held-out greedy accuracy; also before the first step and at the end
+
+
+@dataclass
+class GRPOConfig:
+    """GRPO post-training (forge-spmd)."""
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path="runs/sft-tiny/hf"))
+    data: PromptDataConfig = field(default_factory=PromptDataConfig)
+    layout: Layout = field(default_factory=Layout)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, max_grad_norm=1.0))
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    out_dir: str = "runs/grpo-tiny"
+    export_dir: str | None = None       # final HF directory; None = <out_dir>/hf
+
+
+# ---- the algorithm: small pure tensor functions ----
+
+def group_advantages(rewards: Tensor, G: int, scale_rewards: str) -> Tensor:
+    """(r - group mean) / (std + 1e-4); std per group, over the batch, or not at all (Dr. GRPO)."""
+    r = rewards.view(-1, G)                                     # [B, G]
+    adv = r - r.mean(1, keepdim=True)
+    if scale_rewards != "none":
+        std = r.std(1, keepdim=True) if scale_rewards == "group" else r.std()
+        adv = adv / (std + 1e-4)
+    return adv.view(-1)
+
+
+def zero_variance_groups(rewards: Tensor, G: int) -> Tensor:
+    """[B*G] bool: the sequence's group has identical rewards (it carries no learning signal)."""
+    r = rewards.view(-1, G)
+    return (r.max(1).values == r.min(1).values).repeat_interleave(G)
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
+    """Per-token KL(pi || ref) estimates (Schulman's k1/k2/k3) from sampled tokens."""
+    log_ratio = ref_logp - logp
+    match estimator:
+        case "k1":
+            return -log_ratio
+        case "k2":
+            return 0.5 * log_ratio ** 2
+        case "k3":
+            return torch.exp(log_ratio) - log_ratio - 1
+
+
+def grpo_loss(logp: Tensor, mb: Rollout, cfg: LossConfig, max_tokens: int, num_micro: int,
+              global_tokens: float, world: int) -> tuple[Tensor, dict[str, float]]:
+    """Clipped surrogate (+ beta * KL), aggregated as `loss_type`; scaled so that summing over this rank's
+    `num_micro` micro-batches and FSDP's average over `world` ranks gives the batch loss."""
+    mask = mb.completion_mask.float()                           # [n, C]
+    old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
+    ratio = torch.exp(logp - old)
+    adv = mb.advantages.unsqueeze(1)                            # [n, 1]
+    eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    clipped_ratio = torch.clamp(ratio, 1 - cfg.epsilon, 1 + eps_high)
+    per_token = -torch.min(ratio * adv, clipped_ratio * adv)
+    if cfg.importance_sampling_cap > 0:       # vLLM sampled these tokens; correct for its (small) mismatch
+        per_token = per_token * torch.exp(old - mb.sampler_logprobs).clamp(max=cfg.importance_sampling_cap)
+    kl = kl_penalty(logp, mb.ref_logprobs, cfg.kl_estimator) if cfg.beta > 0 else torch.zeros_like(logp)
+    per_token = per_token + cfg.beta * kl
+    match cfg.loss_type:
+        case "grpo":      # mean over each sequence's tokens, then over sequences
+            loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean() / num_micro
+        case "bnpo":      # mean over the micro-batch's tokens
+            loss = (per_token * mask).sum() / mask.sum().clamp(min=1) / num_micro
+        case "dr_grpo":   # constant normaliser: sequences x max completion length
+            loss = (per_token * mask).sum() / (mask.shape[0] * max_tokens) / num_micro
+        case "dapo":      # mean over every token of the optimizer step, on all ranks
+            loss = (per_token * mask).sum() / global_tokens * world
+    is_clipped = ((ratio < 1 - cfg.epsilon) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))
+    stats = {"clipped": (is_clipped * mask).sum().item(), "kl": (kl.detach() * mask).sum().item()}
+    return loss, stats
+
+
+def token_logprobs(model, part: Rollout, temperature: float, with_entropy: bool = False):
+    """Log-probabilities [n, C] of the completion tokens under `model` (and the entropy of each step)."""
+    ids = torch.cat([part.prompt_ids, part.completion_ids], 1)
+    mask = torch.cat([part.prompt_mask, part.completion_mask], 1)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    P = part.prompt_ids.shape[1]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    logits = logits[:, P - 1:-1].float() / temperature                       # [n, C, V]
+    logprobs = torch.log_softmax(logits, -1)
+    chosen = logprobs.gather(-1, part.completion_ids.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return chosen, None
+    return chosen, -(logprobs.exp() * logprobs).sum(-1).detach()
+
+
+# ---- roles: the reward and reference ranks answer the policy ranks ----
+
+def load_reward_functions(cfg: RewardConfig) -> dict[str, Callable[[str, dict], float]]:
+    functions = {}
+    for spec in cfg.functions:
+        where, _, name = spec.rpartition(":")
+        try:
+            if not where:
+                module = importlib.import_module("rewards")
+            elif where.endswith(".py"):
+                loader = importlib.util.spec_from_file_location(Path(where).stem, where)
+                module = importlib.util.module_from_spec(loader)
+                loader.loader.exec_module(module)
+            else:
+                module = importlib.import_module(where)
+        except (ImportError, FileNotFoundError) as err:
+            raise ForgeError(f"config error: rewards.functions: cannot import '{where or 'rewards'}' ({err})") from None
+        if not callable(getattr(module, name, None)):
+            raise ForgeError(f"config error: rewards.functions: no function '{name}' in {where or 'rewards.py'}")
+        functions[name] = getattr(module, name)
+    if cfg.weights is not None and len(cfg.weights) != len(functions):
+        raise ForgeError(f"config error: rewards.weights has {len(cfg.weights)} values for "
+                         f"{len(functions)} rewards.functions")
+    return functions
+
+
+def score(completions: list[str], rows: list[dict], functions: dict, weights: list[float]) -> tuple:
+    """Weighted sum of the reward functions per completion; a function that raises scores 0 and is counted."""
+    terms = {name: [] for name in functions}
+    errors = 0
+    for text, row in zip(completions, rows):
+        for name, fn in functions.items():
+            try:
+                terms[name].append(float(fn(text, row)))
+            except Exception:   # a user's reward must not end the run; the error count is logged
+                terms[name].append(0.0)
+                errors += 1
+    total = [sum(w * terms[n][i] for n, w in zip(functions, weights)) for i in range(len(completions))]
+    return total, terms, errors
+
+
+def serve_rewards(cfg: GRPOConfig, roles: Roles, tokenizer, rows: list[dict], steps: range) -> None:
+    """Reward ranks: receive every policy rank's token ids, score our share (i % R), send the scores back."""
+    functions = load_reward_functions(cfg.rewards)
+    weights = cfg.rewards.weights or [1.0] * len(functions)
+    reward_model = RewardModel(cfg, roles) if cfg.rewards.model_path else None
+    me, R = roles.reward_ranks.index(roles.rank), len(roles.reward_ranks)
+    for _ in steps:
+        batch = merge_rollouts(exchange(None))
+        mine = list(range(me, len(batch["row_ids"]), R))
+        texts = tokenizer.batch_decode(batch["completion_ids"][mine], skip_special_tokens=True)
+        total, terms, errors = score(texts, [rows[batch["row_ids"][i]] for i in mine], functions, weights)
+        if reward_model is not None:
+            total = [t + cfg.rewards.model_weight * m for t, m in zip(total, reward_model(batch, mine))]
+        exchange({"index": mine, "rewards": total, "terms": terms, "errors": errors})
+
+
+def serve_reference(cfg: GRPOConfig, roles: Roles, steps: range) -> None:
+    """Reference ranks: the frozen initial policy (FSDP over the reference group) scores its chunk of all
+    sequences; chunks are padded to equal length so every rank runs the same number of forwards."""
+    model = shard(load_model(cfg.model), roles.reference_mesh, cfg.fsdp).eval() if cfg.loss.beta > 0 else None
+    me, R = roles.reference_ranks.index(roles.rank), len(roles.reference_ranks)
+    for _ in steps:
+        batch = merge_rollouts(exchange(None))
+        if model is None:
+            exchange(None)
+            continue
+        n = len(batch["row_ids"])
+        per_rank = math.ceil(n / R)
+        mine = [min(i, n - 1) for i in range(me * per_rank, (me + 1) * per_rank)]
+        part = Rollout(batch["prompt_ids"][mine], batch["prompt_mask"][mine], batch["completion_ids"][mine],
+                       batch["completion_mask"][mine], None, None, [])
+        with torch.no_grad():
+            logprobs = micro_batched_logprobs(model, part, cfg.train.micro_batch_size, cfg.sampling.temperature)
+        keep = [k for k, i in enumerate(mine) if i == me * per_rank + k]
+        exchange({"index": [mine[k] for k in keep], "ref_logprobs": logprobs[keep]})
+
+
+class RewardModel:
+    """An HF sequence-classification model: the score of (prompt, completion) is its first logit."""
+
+    def __init__(self, cfg: GRPOConfig, roles: Roles):
+        from transformers import AutoModelForSequenceClassification
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            cfg.rewards.model_path, trust_remote_code=cfg.model.trust_remote_code).to(roles.dist.device).eval()
+
+    @torch.no_grad()
+    def __call__(self, batch: dict, index: list[int]) -> list[float]:
+        ids = torch.cat([batch["prompt_ids"][index], batch["completion_ids"][index]], 1)
+        mask = torch.cat([batch["prompt_mask"][index], batch["completion_mask"][index]], 1)
+        return self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()
+
+
+def merge_rollouts(gathered: list) -> dict:
+    """The policy ranks' payloads (others sent None), concatenated in rank order = the global sequence index."""
+    parts = [p for p in gathered if p is not None]
+    width = max(p["prompt_ids"].shape[1] for p in parts)
+    pad = lambda t: torch.nn.functional.pad(t, (width - t.shape[1], 0))
+    return {"prompt_ids": torch.cat([pad(p["prompt_ids"]) for p in parts]),
+            "prompt_mask": torch.cat([pad(p["prompt_mask"]) for p in parts]),
+            "completion_ids": torch.cat([p["completion_ids"] for p in parts]),
+            "completion_mask": torch.cat([p["completion_mask"] for p in parts]),
+            "row_ids": [r for p in parts for r in p["row_ids"]]}
+
+
+def ask_scores(rollout: Rollout, roles: Roles, cfg: GRPOConfig, local_rewards) -> None:
+    """Policy side of the two exchanges: token ids out, then rewards and reference logprobs back."""
+    exchange({"prompt_ids": rollout.prompt_ids, "prompt_mask": rollout.prompt_mask, "row_ids": rollout.row_ids,
+              "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask})
+    answers = exchange(None)
+    offset = roles.policy_ranks.index(roles.rank) * len(rollout)      # every policy rank has the same count
+    mine = range(offset, offset + len(rollout))
+    rewards, terms, errors = torch.zeros(len(rollout)), {}, 0
+    ref = torch.zeros_like(rollout.sampler_logprobs)
+    for answer in answers:
+        for k, i in enumerate(answer["index"] if answer else []):
+            if i not in mine:
+                continue
+            if "rewards" in answer:
+                rewards[i - offset] = answer["rewards"][k]
+                for name, values in answer["terms"].items():
+                    terms.setdefault(name, torch.zeros(len(rollout)))[i - offset] = values[k]
+            else:
+                ref[i - offset] = answer["ref_logprobs"][k]
+        errors += answer["errors"] if answer and "errors" in answer else 0
+    if not roles.reward_ranks:        # no reward ranks: rule rewards run right here
+        rewards, terms, errors = local_rewards(rollout)
+    rollout.rewards, rollout.reward_terms, rollout.reward_errors = rewards, terms, errors
+    rollout.ref_logprobs = ref if cfg.loss.beta > 0 else None
+
+
+def micro_batched_logprobs(model, part: Rollout, micro: int, temperature: float) -> Tensor:
+    return torch.cat([token_logprobs(model, part.select(slice(i, i + micro)), temperature)[0]
+                      for i in range(0, len(part), micro)])
+
+
+# ---- the policy ranks: sample, learn, sync ----
+
+def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, roles: Roles) -> dict[str, float]:
+    """`num_iterations` epochs of `mini_batches` optimizer steps over this generation batch."""
+    group = roles.groups["policy"]
+    world = len(roles.policy_ranks)
+    mini = len(rollout) // cfg.train.mini_batches
+    micro = cfg.train.micro_batch_size
+    if cfg.loss.num_iterations > 1 or cfg.train.mini_batches > 1:   # later passes need the pre-update logprobs
+        with torch.no_grad():
+            rollout.old_logprobs = micro_batched_logprobs(policy, rollout, micro, cfg.sampling.temperature)
+    sums = {"clipped": 0.0, "kl": 0.0, "entropy": 0.0, "tokens": 0.0, "grad_norm": 0.0, "gap": 0.0}
+    for _ in range(cfg.loss.num_iterations):
+        for m in range(cfg.train.mini_batches):
+            mb = rollout.select(slice(m * mini, (m + 1) * mini))
+            global_tokens = reduce_metrics({"t": mb.completion_mask.sum().item()}, group)["t"]
+            parts = [mb.select(slice(i, i + micro)) for i in range(0, mini, micro)]
+            for k, part in enumerate(parts):
+                policy.set_requires_gradient_sync(k == len(parts) - 1)
+                logp, entropy = token_logprobs(policy, part, cfg.sampling.temperature, with_entropy=True)
+                loss, stats = grpo_loss(logp, part, cfg.loss, cfg.sampling.max_tokens, len(parts),
+                                        max(global_tokens, 1.0), world)
+                loss.backward()
+                mask = part.completion_mask.float()
+                old = part.old_logprobs if part.old_logprobs is not None else logp.detach()
+                sums["gap"] += ((old - part.sampler_logprobs).abs() * mask).sum().item()
+                sums["entropy"] += (entropy * mask).sum().item()
+                sums["tokens"] += mask.sum().item()
+                sums["clipped"] += stats["clipped"]
+                sums["kl"] += stats["kl"]
+            sums["grad_norm"] += optimizer_step(policy, optim, sched, cfg.optim.max_grad_norm) / world
+    totals = reduce_metrics(sums, group)
+    tokens = max(totals["tokens"], 1.0)
+    updates = cfg.loss.num_iterations * cfg.train.mini_batches
+    return {"loss/clip_fraction": totals["clipped"] / tokens, "loss/kl": totals["kl"] / tokens,
+            "loss/entropy": totals["entropy"] / tokens, "loss/logprob_gap": totals["gap"] / tokens,
+            "train/grad_norm": totals["grad_norm"] / updates, "train/tokens": totals["tokens"] / updates}
+
+
+def rollout_metrics(rollout: Rollout, roles: Roles, accuracy_fn: str) -> dict[str, float]:
+    r = rollout.rewards
+    sums = {"n": len(rollout), "r": r.sum().item(), "r2": (r ** 2).sum().item(), "errors": rollout.reward_errors,
+            "len": rollout.completion_mask.sum().item(), "trunc": rollout.truncated.sum().item(),
+            **{f"term/{k}": v.sum().item() for k, v in rollout.reward_terms.items()}}
+    s = reduce_metrics(sums, roles.groups["policy"])
+    mean = s["r"] / s["n"]
+    out = {"reward/mean": mean, "reward/std": math.sqrt(max(s["r2"] / s["n"] - mean ** 2, 0.0)),
+           "reward/errors": s["errors"], "reward/accuracy": s.get(f"term/{accuracy_fn}", 0.0) / s["n"],
+           "completion/length": s["len"] / s["n"], "completion/truncated": s["trunc"] / s["n"]}
+    return out | {f"reward/{k[5:]}": v / s["n"] for k, v in s.items() if k.startswith("term/")}
+
+
+def evaluate(engine, tokenizer, eval_rows: list[dict], prompts: list[list[int]], cfg: GRPOConfig,
+             roles: Roles, accuracy: Callable) -> float:
+    """Held-out greedy accuracy; each policy rank takes its share of the rows."""
+    me, P = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks)
+    index = list(range(me, len(eval_rows), P))
+    rollout = generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id,
+                       seed=0, greedy=True)
+    texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+    correct = sum(accuracy(t, eval_rows[i]) for t, i in zip(texts, index))
+    s = reduce_metrics({"correct": correct, "n": len(index)}, roles.groups["policy"])
+    return s["correct"] / s["n"]
+
+
+def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_rows, start_step: int,
+                 ckpt: Checkpointer, policy, optim, sched) -> None:
+    functions = load_reward_functions(cfg.rewards)
+    weights = cfg.rewards.weights or [1.0] * len(functions)
+    accuracy_name = cfg.rewards.accuracy or next(iter(functions))
+    accuracy = functions[accuracy_name]
+    prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in rows]
+    eval_prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in eval_rows]
+    me, P, G = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks), cfg.sampling.num_generations
+    per_rank = cfg.train.prompts_per_step // P
+    log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=start_step)
+
+    def local_rewards(rollout: Rollout):
+        texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        total, terms, errors = score(texts, [rows[i] for i in rollout.row_ids], functions, weights)
+        return torch.tensor(total), {k: torch.tensor(v) for k, v in terms.items()}, errors
+
+    if start_step == 0:
+        log.print(f"held-out accuracy before GRPO: {evaluate(engine, tokenizer, eval_rows, eval_prompts, cfg, roles, accuracy):.3f}")
+    for step in range(start_step, cfg.train.steps):
+        t0 = time.perf_counter()
+        index = sample_indices(step, cfg.train.prompts_per_step, len(rows), cfg.train.seed)[me * per_rank:(me + 1) * per_rank]
+        rollout = generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id,
+                           seed=cfg.train.seed + step * 1_000 + roles.rank)
+        t_gen = time.perf_counter()
+        ask_scores(rollout, roles, cfg, local_rewards)
+        t_score = time.perf_counter()
+        rollout.advantages = group_advantages(rollout.rewards, G, cfg.loss.scale_rewards)
+        if cfg.loss.drop_zero_variance_groups:
+            rollout.completion_mask = rollout.completion_mask * ~zero_variance_groups(rollout.rewards, G).unsqueeze(1)
+        stats = train_on_rollout(policy, optim, sched, rollout, cfg, roles)
+        t_train = time.perf_counter()
+        done = step + 1
+        sync = sync_weights(policy, engine) if done % cfg.train.sync_every == 0 else None
+        t_sync = time.perf_counter()
+
+        metrics = rollout_metrics(rollout, roles, accuracy_name) | stats
+        gen_tokens = metrics["completion/length"] * per_rank * G * P
+        metrics |= {"time/generate": t_gen - t0, "time/score": t_score - t_gen, "time/train": t_train - t_score,
+                    "time/sync": t_sync - t_train, "time/step": t_sync - t0, "train/lr": sched.get_last_lr()[0],
+                    "perf/generate_tokens_per_s": gen_tokens / (t_gen - t0),
+                    "perf/train_tokens_per_s": stats["train/tokens"] / (t_train - t_score),
+                    "mem/peak_gb_rank0": peak_memory_gb(roles.dist.device)}
+        if sync is not None:
+            metrics |= {"sync/seconds": sync.seconds, "sync/gather_seconds": sync.gather_seconds,
+                        "sync/gigabytes": sync.bytes / 1e9}
+        if done == cfg.train.steps or (cfg.train.eval_every and done % cfg.train.eval_every == 0):
+            metrics["eval/accuracy"] = evaluate(engine, tokenizer, eval_rows, eval_prompts, cfg, roles, accuracy)
+        if done % cfg.train.log_every == 0 or "eval/accuracy" in metrics:
+            log.log(done, metrics, ("reward/mean", "reward/accuracy", "loss/kl", "completion/length",
+                                    "perf/generate_tokens_per_s", "time/step", "eval/accuracy"))
+        ckpt.maybe_save(done, cfg.train.steps, policy, optim,
+                        {"scheduler": sched.state_dict(), "config": config_to_dict(cfg)})
+    export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
+    export_hf(policy, tokenizer, export_dir, roles.groups["policy"])
+    log.print(f"exported {export_dir}")
+    log.close()
+
+
+# ---- main: the SPMD topology ----
+
+def check_config(cfg: GRPOConfig, roles: Roles) -> None:
+    P = len(roles.policy_ranks)
+    if cfg.train.prompts_per_step % P:
+        raise ForgeError(f"config error: train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple "
+                         f"of layout.policy={P}")
+    per_rank = cfg.train.prompts_per_step // P * cfg.sampling.num_generations
+    if per_rank % cfg.train.mini_batches:
+        raise ForgeError(f"config error: {per_rank} sequences per policy rank do not split into "
+                         f"train.mini_batches={cfg.train.mini_batches}")
+    if cfg.loss.beta > 0 and not roles.reference_ranks:
+        raise ForgeError(f"config error: loss.beta={cfg.loss.beta} needs layout.reference >= 1")
+    if P % cfg.engine.tensor_parallel_size:
+        raise ForgeError(f"config error: layout.policy={P} is not a multiple of "
+                         f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size}")
+    if cfg.sampling.num_generations < 2:
+        raise ForgeError("config error: sampling.num_generations must be >= 2 (advantages compare a group)")
+
+
+def main() -> None:
+    cfg = load_config(GRPOConfig)
+    roles = init_roles(cfg.layout)           # gloo+cpu or nccl+cuda; every rank builds every group, same order
+    check_config(cfg, roles)
+    load_reward_functions(cfg.rewards)       # a typo in a reward name fails here, on every rank, before any work
+    rows = read_rows(cfg.data.path, cfg.data.split)
+    eval_rows = read_rows(cfg.data.eval_path, cfg.data.split)[:cfg.data.eval_rows]
+    require_fields(rows, [cfg.data.prompt_field, cfg.data.answer_field], cfg.data.path)
+    require_fields(eval_rows, [cfg.data.prompt_field, cfg.data.answer_field], cfg.data.eval_path)
+    tokenizer = load_tokenizer(cfg.model)
+    torch.manual_seed(cfg.train.seed)
+
+    # Policy ranks load and shard the model and restore the checkpoint before the engine starts, so the
+    # engine is built from (and synced with) the weights training continues from.
+    policy = optim = sched = ckpt = None
+    start_step = 0
+    if roles.is_policy:
+        policy = shard(load_model(cfg.model), roles.policy_mesh, cfg.fsdp)
+        optim, sched = build_optimizer(policy, cfg.optim, cfg.train.steps)
+        ckpt = Checkpointer(cfg.out_dir, cfg.ckpt, group=roles.groups["policy"])
+        if (path := ckpt.resume_path()) is not None:
+            meta = ckpt.load(path, policy, optim)
+            sched.load_state_dict(meta["scheduler"])
+            start_step = meta["step"]
+    start_step = exchange(start_step)[0]     # every role walks the same steps
+    engine = build_engine(cfg.model.path, cfg.engine, cfg.train.seed) if roles.is_policy \
+        else join_engine_groups(cfg.engine)
+    steps = range(start_step, cfg.train.steps)
+    if roles.is_reference:
+        serve_reference(cfg, roles, steps)
+    elif roles.is_reward:
+        serve_rewards(cfg, roles, tokenizer, rows, steps)
+    else:
+        if start_step > 0:
+            sync_weights(policy, engine)     # the engine loaded model.path; bring it to the checkpoint
+        train_policy(cfg, roles, engine, tokenizer, rows, eval_rows, start_step, ckpt, policy, optim, sched)
+    close_dist()
+
+
+if __name__ == "__main__":
+    run_main(main)

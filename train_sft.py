@@ -1,0 +1,193 @@
+"""Supervised fine-tuning with FSDP2: chat-formatted prompt/response pairs, loss on the response only.
+
+    torchrun --standalone --nproc_per_node 2 train_sft.py --config configs/sft/tiny.yaml --optim.lr 3e-4
+    sbatch slurm/sft.sh configs/sft/tiny.yaml
+
+Every rank holds a shard of the model (fully_shard per decoder layer) and takes its slice of each global batch.
+A run resumes from its latest checkpoint on restart; the final weights are exported as an HF directory.
+"""
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from forge_core.ckpt import CheckpointConfig, Checkpointer
+from forge_core.config import ForgeError, config_to_dict, load_config, run_main
+from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, encode_sft, read_rows,
+                             require_fields, sample_indices)
+from forge_core.dist import Dist, close_dist, init_dist
+from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
+from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
+                              load_tokenizer, optimizer_step, shard)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 64                # sequences per optimizer step, over all ranks
+    micro_batch_size: int = 32          # sequences per forward on one rank; accumulation makes up the rest
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 200               # held-out loss + greedy exact match; 0 = only at the end
+    eval_max_new_tokens: int = 16
+    stop_at_step: int | None = None     # end this run early, as a preemption would; the schedule still spans `steps`
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning (forge-spmd)."""
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path="artifacts/tiny/init"))
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    out_dir: str = "runs/sft-tiny"
+    export_dir: str | None = None       # final HF safetensors directory; None = <out_dir>/hf
+
+
+# ---- data ----
+
+Example = tuple[list[int], list[int]]
+
+
+def load_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], list[dict], int]:
+    """Tokenized training examples, held-out rows, and how many examples were truncated."""
+    rows = read_rows(cfg.path, cfg.split)
+    require_fields(rows, [cfg.prompt_field, cfg.response_field], cfg.path)
+    if cfg.eval_path is not None:
+        eval_rows = read_rows(cfg.eval_path, cfg.split)
+        require_fields(eval_rows, [cfg.prompt_field, cfg.response_field], cfg.eval_path)
+        eval_rows = eval_rows[:cfg.eval_rows]
+    else:
+        if cfg.eval_rows >= len(rows):
+            raise ForgeError(f"config error: data.eval_rows={cfg.eval_rows} leaves no training rows in {cfg.path}")
+        rows, eval_rows = rows[:len(rows) - cfg.eval_rows], rows[len(rows) - cfg.eval_rows:]
+    encoded = [encode_sft(tokenizer, r[cfg.prompt_field], r[cfg.response_field], cfg.max_length) for r in rows]
+    return [(ids, labels) for ids, labels, _ in encoded], eval_rows, sum(t for *_, t in encoded)
+
+
+def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
+    per_step = cfg.micro_batch_size * world_size
+    if cfg.batch_size % per_step:
+        raise ForgeError(f"config error: train.batch_size={cfg.batch_size} must be a multiple of "
+                         f"train.micro_batch_size={cfg.micro_batch_size} x {world_size} ranks")
+    return cfg.batch_size // per_step
+
+
+# ---- the loss ----
+
+def token_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed next-token NLL over the labelled (response) tokens of a micro-batch."""
+    labels = batch.pop("labels")
+    logits = model(**batch, use_cache=False).logits[:, :-1].float()
+    return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def train_step(model, examples: list[Example], cfg: SFTConfig, d: Dist, pad_id: int) -> dict[str, float]:
+    """Forward/backward over this rank's micro-batches; the loss is normalised by the *global* number of
+    response tokens so that N ranks compute exactly what one process would (FSDP averages over ranks)."""
+    micro_batches = [collate_sft(examples[i:i + cfg.train.micro_batch_size], pad_id, cfg.data.pack,
+                                 cfg.data.max_length) for i in range(0, len(examples), cfg.train.micro_batch_size)]
+    local = {"targets": sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in micro_batches),
+             "tokens": sum(len(ids) for ids, _ in examples)}
+    total = reduce_metrics(local, device=d.device)
+    loss_sum = 0.0
+    for i, mb in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        nll = token_nll(model, {k: v.to(d.device) for k, v in mb.items()})
+        (nll * d.world_size / total["targets"]).backward()
+        loss_sum += nll.item()
+    loss = reduce_metrics({"loss": loss_sum}, device=d.device)["loss"] / total["targets"]
+    return {"train/loss": loss, "tokens": total["tokens"]}
+
+
+# ---- held-out evaluation ----
+
+@torch.no_grad()
+def evaluate(model, tokenizer, rows: list[dict], cfg: SFTConfig, d: Dist) -> dict[str, float]:
+    """Held-out loss and greedy exact match; every rank takes its share of rows."""
+    model.eval()
+    mine = rows[d.rank::d.world_size]
+    prompts, responses = [r[cfg.data.prompt_field] for r in mine], [r[cfg.data.response_field] for r in mine]
+    nll, targets = 0.0, 0
+    for i in range(0, len(mine), cfg.train.micro_batch_size):
+        examples = [encode_sft(tokenizer, p, r, cfg.data.max_length)[:2]
+                    for p, r in zip(prompts[i:i + cfg.train.micro_batch_size], responses[i:i + cfg.train.micro_batch_size])]
+        batch = collate_sft(examples, tokenizer.pad_token_id, pack=False, max_length=cfg.data.max_length)
+        targets += int((batch["labels"][:, 1:] != IGNORE).sum())
+        nll += token_nll(model, {k: v.to(d.device) for k, v in batch.items()}).item()
+    answers = greedy_generate(model, tokenizer, prompts, cfg.train.eval_max_new_tokens, d)
+    correct = sum(a.strip() == r.strip() for a, r in zip(answers, responses))
+    sums = reduce_metrics({"nll": nll, "targets": targets, "correct": correct, "rows": len(mine)}, device=d.device)
+    model.train()
+    return {"eval/loss": sums["nll"] / sums["targets"], "eval/exact_match": sums["correct"] / sums["rows"]}
+
+
+def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int, d: Dist) -> list[str]:
+    """HF generate; synced_gpus keeps every FSDP rank stepping until all are done (no all-gather deadlock)."""
+    encoded = [chat_prompt_ids(tokenizer, p) for p in prompts] or [[tokenizer.pad_token_id]]
+    width = max(len(ids) for ids in encoded)
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(ids)) + ids for ids in encoded])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
+    out = model.generate(input_ids=input_ids.to(d.device), attention_mask=attention_mask.to(d.device),
+                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, synced_gpus=d.world_size > 1)
+    return tokenizer.batch_decode(out[:len(prompts), width:], skip_special_tokens=True)
+
+
+# ---- main ----
+
+def main() -> None:
+    cfg = load_config(SFTConfig)
+    d = init_dist()
+    accum = accumulation_steps(cfg.train, d.world_size)
+    tokenizer = load_tokenizer(cfg.model)
+    examples, eval_rows, truncated = load_examples(cfg.data, tokenizer)
+    torch.manual_seed(cfg.train.seed)
+    model = shard(load_model(cfg.model), d.mesh, cfg.fsdp)
+    optim, sched = build_optimizer(model, cfg.optim, cfg.train.steps)
+    ckpt = Checkpointer(cfg.out_dir, cfg.ckpt)
+    start_step = 0
+    if (path := ckpt.resume_path()) is not None:
+        meta = ckpt.load(path, model, optim)
+        sched.load_state_dict(meta["scheduler"])
+        start_step = meta["step"]
+    log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=d.is_rank0, start_step=start_step)
+    log.print(f"sft: {len(examples)} examples ({truncated} truncated), {len(eval_rows)} held out; "
+              f"{d.world_size} ranks x {cfg.train.micro_batch_size} x {accum} accumulation = "
+              f"{cfg.train.batch_size} sequences/step; " + (f"resumed from {path}" if start_step else "fresh start"))
+
+    end_step = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
+    for step in range(start_step, end_step):
+        t0 = time.perf_counter()
+        rows = sample_indices(step, cfg.train.batch_size, len(examples), cfg.train.seed)[d.rank::d.world_size]
+        stats = train_step(model, [examples[i] for i in rows], cfg, d, tokenizer.pad_token_id)
+        lr = sched.get_last_lr()[0]
+        grad_norm = optimizer_step(model, optim, sched, cfg.optim.max_grad_norm)
+        done = step + 1
+        metrics = {"train/loss": stats["train/loss"], "train/lr": lr, "train/grad_norm": grad_norm,
+                   "train/tokens_per_s": stats["tokens"] / (time.perf_counter() - t0),
+                   "mem/peak_gb_rank0": peak_memory_gb(d.device)}
+        if done == cfg.train.steps or (cfg.train.eval_every and done % cfg.train.eval_every == 0):
+            metrics |= evaluate(model, tokenizer, eval_rows, cfg, d)
+        if done % cfg.train.log_every == 0 or done == end_step or "eval/loss" in metrics:
+            log.log(done, metrics, ("train/loss", "train/lr", "train/tokens_per_s", "eval/loss", "eval/exact_match"))
+        meta = {"scheduler": sched.state_dict(), "samples_seen": done * cfg.train.batch_size,
+                "config": config_to_dict(cfg)}
+        ckpt.maybe_save(done, end_step, model, optim, meta)
+        if cfg.ckpt.export_every and done % cfg.ckpt.export_every == 0:
+            export_hf(model, tokenizer, Path(cfg.out_dir) / f"hf_step_{done:06d}")
+    if end_step == cfg.train.steps:
+        export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
+        export_hf(model, tokenizer, export_dir)
+        log.print(f"exported {export_dir}")
+    log.close()
+    close_dist()
+
+
+if __name__ == "__main__":
+    run_main(main)
