@@ -27,7 +27,7 @@ from forge_core.data import chat_prompt_ids, read_rows, require_fields, sample_i
 from forge_core.dist import Layout, Roles, close_dist, exchange, init_roles
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
-                              load_tokenizer, optimizer_step, shard)
+                              load_tokenizer, optimizer_step, set_gradient_sync, shard)
 from forge_core.rollout import EngineConfig, Rollout, SamplingConfig, build_engine, generate, join_engine_groups
 from forge_core.sync import sync_weights
 
@@ -322,7 +322,7 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
             global_tokens = reduce_metrics({"t": mb.completion_mask.sum().item()}, group)["t"]
             parts = [mb.select(slice(i, i + micro)) for i in range(0, mini, micro)]
             for k, part in enumerate(parts):
-                policy.set_requires_gradient_sync(k == len(parts) - 1)
+                set_gradient_sync(policy, k == len(parts) - 1)
                 logp, entropy = token_logprobs(policy, part, cfg.sampling.temperature, with_entropy=True)
                 loss, stats = grpo_loss(logp, part, cfg.loss, cfg.sampling.max_tokens, len(parts),
                                         max(global_tokens, 1.0), world)

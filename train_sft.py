@@ -21,7 +21,7 @@ from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, e
 from forge_core.dist import Dist, close_dist, init_dist
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
-                              load_tokenizer, optimizer_step, shard)
+                              load_tokenizer, optimizer_step, set_gradient_sync, shard)
 
 
 @dataclass
@@ -97,7 +97,7 @@ def train_step(model, examples: list[Example], cfg: SFTConfig, d: Dist, pad_id: 
     total = reduce_metrics(local, device=d.device)
     loss_sum = 0.0
     for i, mb in enumerate(micro_batches):
-        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        set_gradient_sync(model, i == len(micro_batches) - 1)
         nll = token_nll(model, {k: v.to(d.device) for k, v in mb.items()})
         (nll * d.world_size / total["targets"]).backward()
         loss_sum += nll.item()

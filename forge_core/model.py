@@ -13,7 +13,6 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -23,7 +22,7 @@ from .ckpt import publish_dir
 from .config import ForgeError
 
 __all__ = ["ModelConfig", "FSDPConfig", "OptimConfig", "load_model", "load_tokenizer", "shard",
-           "build_optimizer", "optimizer_step", "export_hf", "full_state_dict"]
+           "set_gradient_sync", "build_optimizer", "optimizer_step", "export_hf", "full_state_dict"]
 
 
 @dataclass
@@ -88,13 +87,20 @@ def shard(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Module:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     layers = decoder_layers(model)
-    for i, layer in enumerate(layers):
-        if cfg.activation_checkpointing:
-            layer = checkpoint_wrapper(layer)
-            layers[i] = layer
+    if cfg.activation_checkpointing:    # HF's own hook keeps parameter names (checkpoint_wrapper renames them)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mesh.size() == 1 and not bf16:    # one rank, full precision: FSDP would only add copies (~10% on CPU)
+        return model.to(mesh.device_type)
+    for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
     return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Gradient accumulation: reduce-scatter only on the last micro-batch (a no-op for an unsharded model)."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int):
