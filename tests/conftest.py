@@ -16,7 +16,7 @@ def run_script(script: str, args: list[str], nproc: int | None = None, check: bo
     """Run a repo script as a user would: under `torchrun --standalone` when nproc is given, else plain python."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
         if nproc else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([*launcher, str(REPO / script), *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
     if check and proc.returncode != 0:

@@ -1,0 +1,86 @@
+"""A torchrun program for tests/test_grpo_e2e.py: FSDP-shard the tiny model over all ranks, change its weights
+by an optimizer step, sync them into each rank's colocated vLLM engine, then check on every rank that
+  - the engine's parameters equal the trainer's, bit for bit (vLLM fuses q/k/v and gate/up; we fuse too),
+  - greedy generation from vLLM equals greedy generation from the trainer's weights in HF,
+  - vLLM's logprobs of sampled tokens equal the trainer's recomputed logprobs.
+Writes <out>/rank<r>.json.
+
+    torchrun --standalone --nproc_per_node 2 tests/sync_check.py MODEL_DIR OUT_DIR
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from forge_core.data import chat_prompt_ids
+from forge_core.dist import Layout, close_dist, init_roles
+from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, load_model, load_tokenizer,
+                              optimizer_step, shard)
+from forge_core.rollout import EngineConfig, SamplingConfig, build_engine, generate
+from forge_core.sync import engine_state_dict, sync_weights
+from train_grpo import token_logprobs
+
+
+def fuse_like_vllm(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    fused = {}
+    for name, t in state.items():
+        if ".q_proj." in name:
+            fused[name.replace("q_proj", "qkv_proj")] = torch.cat(
+                [t, state[name.replace("q_proj", "k_proj")], state[name.replace("q_proj", "v_proj")]])
+        elif ".gate_proj." in name:
+            fused[name.replace("gate_proj", "gate_up_proj")] = torch.cat([t, state[name.replace("gate_proj", "up_proj")]])
+        elif not any(f".{p}." in name for p in ("k_proj", "v_proj", "up_proj")):
+            fused[name] = t
+    return fused
+
+
+def main(model_dir: str, out_dir: str) -> None:
+    roles = init_roles(Layout(policy=int(os.environ["WORLD_SIZE"]), reference=0, reward=0))
+    cfg = ModelConfig(path=model_dir)
+    tokenizer = load_tokenizer(cfg)
+    policy = shard(load_model(cfg), roles.policy_mesh, FSDPConfig())
+    optim, sched = build_optimizer(policy, OptimConfig(lr=1e-3), total_steps=1)
+    engine = build_engine(model_dir, EngineConfig(), seed=0)
+    prompts = [chat_prompt_ids(tokenizer, p) for p in ["12+34=", "500+499=", "7+8="]]
+
+    torch.manual_seed(roles.rank)   # different data on every rank: the averaged update is what FSDP makes
+    loss = policy(input_ids=torch.randint(0, 300, (4, 12)), labels=torch.randint(0, 300, (4, 12))).loss
+    loss.backward()
+    optimizer_step(policy, optim, sched, max_grad_norm=0)
+    stats = sync_weights(policy, engine)
+
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in policy.state_dict().items()}
+    trainer = fuse_like_vllm(full)
+    mine = engine_state_dict(engine)
+    mismatched = [n for n, p in mine.items() if not torch.equal(p, trainer[n])]
+    changed = not torch.equal(mine["model.norm.weight"], load_model(cfg).state_dict()["model.norm.weight"])
+
+    sampling = SamplingConfig(num_generations=4, max_tokens=8)
+    greedy = generate(engine, prompts, [0, 1, 2], sampling, tokenizer.pad_token_id, seed=0, greedy=True)
+    hf = load_model(cfg)
+    hf.load_state_dict(full)
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p).flip(0) for p in prompts], batch_first=True,
+                                          padding_value=tokenizer.pad_token_id).flip(1)
+    mask = (torch.arange(ids.shape[1]).flip(0) < torch.tensor([len(p) for p in prompts]).unsqueeze(1)).long()
+    hf_out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)[:, ids.shape[1]:]
+    vllm_greedy = [c[m.bool()].tolist() for c, m in zip(greedy.completion_ids, greedy.completion_mask)]
+    hf_greedy = [[t for t in row.tolist() if t != tokenizer.pad_token_id] for row in hf_out]
+    hf_greedy = [row[:row.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in row else row for row in hf_greedy]
+
+    sampled = generate(engine, prompts, [0, 1, 2], sampling, tokenizer.pad_token_id, seed=1)
+    with torch.no_grad():
+        trainer_logprobs, _ = token_logprobs(policy, sampled, temperature=1.0)
+    mask = sampled.completion_mask.bool()
+    gap = (trainer_logprobs - sampled.sampler_logprobs)[mask].abs().max().item()
+    result = {"mismatched": mismatched, "compared": len(mine), "vllm_greedy": vllm_greedy, "hf_greedy": hf_greedy,
+              "logprob_gap": gap, "sync_bytes": stats.bytes, "changed": changed}
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / f"rank{roles.rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
