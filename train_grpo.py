@@ -28,7 +28,8 @@ from forge_core.dist import Layout, Roles, close_dist, exchange, init_roles
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
                               load_tokenizer, optimizer_step, set_gradient_sync, shard)
-from forge_core.rollout import EngineConfig, Rollout, SamplingConfig, build_engine, generate, join_engine_groups
+from forge_core.rollout import (EngineConfig, Rollout, SamplingConfig, build_engine, close_engines, generate,
+                                join_engine_groups)
 from forge_core.sync import sync_weights
 
 
@@ -474,7 +475,7 @@ def main() -> None:
             start_step = meta["step"]
     start_step = exchange(start_step)[0]     # every role walks the same steps
     engine = build_engine(cfg.model.path, cfg.engine, cfg.train.seed) if roles.is_policy \
-        else join_engine_groups(cfg.engine)
+        else join_engine_groups(cfg.model.path, cfg.engine, roles.dist.local_rank)
     steps = range(start_step, cfg.train.steps)
     if roles.is_reference:
         serve_reference(cfg, roles, steps)
@@ -484,6 +485,7 @@ def main() -> None:
         if start_step > 0:
             sync_weights(policy, engine)     # the engine loaded model.path; bring it to the checkpoint
         train_policy(cfg, roles, engine, tokenizer, rows, eval_rows, start_step, ckpt, policy, optim, sched)
+    close_engines(engine if roles.is_policy else None)
     close_dist()
 
 

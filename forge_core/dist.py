@@ -115,7 +115,7 @@ def exchange(payload, group: dist.ProcessGroup | None = None) -> list:
 
 
 def close_dist() -> None:
-    if dist.is_initialized():
+    if dist.is_initialized():     # vLLM's shutdown may have destroyed it already
         dist.barrier()
         dist.destroy_process_group()
 

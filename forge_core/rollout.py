@@ -4,12 +4,14 @@ The engine runs inside the training process (`distributed_executor_backend="exte
 generation, training and weight sync share one process and one device.
 """
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-__all__ = ["EngineConfig", "SamplingConfig", "Rollout", "build_engine", "generate", "pad_left", "pad_right"]
+__all__ = ["EngineConfig", "SamplingConfig", "Rollout", "build_engine", "join_engine_groups", "close_engines",
+           "generate", "pad_left", "pad_right"]
 
 
 @dataclass
@@ -61,15 +63,31 @@ def build_engine(model_path: str, cfg: EngineConfig, seed: int):
     """One vLLM engine per group of `tensor_parallel_size` ranks, in this process. Collective: every rank
     of the world must reach this line (see forge_core.dist.shadow_engine_groups for ranks without one)."""
     from vllm import LLM
+    return LLM(**_engine_kwargs(model_path, cfg, seed))
+
+
+def close_engines(engine) -> None:
+    """Every rank, engine or not: tear down vLLM's groups, and with them torch's default group (vLLM
+    destroys it). An engine left to its finalizer would try that after the groups are gone."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    dist.barrier()
+    if engine is not None:
+        engine.llm_engine.engine_core.shutdown()
+    else:
+        cleanup_dist_env_and_memory()
+
+
+def _engine_kwargs(model_path: str, cfg: EngineConfig, seed: int) -> dict:
     on_gpu = torch.cuda.is_available()
-    dtype = ("bfloat16" if on_gpu else "float32") if cfg.dtype == "auto" else cfg.dtype
-    return LLM(model=model_path, distributed_executor_backend="external_launcher",
-               tensor_parallel_size=cfg.tensor_parallel_size, dtype=dtype, seed=seed,
-               enforce_eager=cfg.enforce_eager, max_model_len=cfg.max_model_len,
-               gpu_memory_utilization=cfg.gpu_memory_utilization,
-               kv_cache_memory_bytes=None if on_gpu else int(cfg.kv_cache_gb * 2**30),
-               logprobs_mode="processed_logprobs",   # tempered logprobs, what the trainer computes
-               enable_prefix_caching=False)
+    return dict(model=model_path, distributed_executor_backend="external_launcher",
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                dtype=("bfloat16" if on_gpu else "float32") if cfg.dtype == "auto" else cfg.dtype,
+                seed=seed, enforce_eager=cfg.enforce_eager, max_model_len=cfg.max_model_len,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                kv_cache_memory_bytes=None if on_gpu else int(cfg.kv_cache_gb * 2**30),
+                logprobs_mode="processed_logprobs",   # tempered logprobs: what the trainer computes
+                enable_prefix_caching=False)
 
 
 def generate(engine, prompts: list[list[int]], row_ids: list[int], cfg: SamplingConfig, pad_id: int,
@@ -111,5 +129,20 @@ def pad_right(seqs: list[list], pad, width: int, dtype=torch.long) -> tuple[Tens
     return values, mask
 
 
-def join_engine_groups(cfg: EngineConfig):
-    raise NotImplementedError
+def join_engine_groups(model_path: str, cfg: EngineConfig, local_rank: int) -> None:
+    """What a rank without an engine does where the policy ranks build theirs. Under external_launcher,
+    vLLM creates its process groups (world, TP, PP, DP, ...) over the *whole* torch world with `new_group`,
+    which every rank must call in the same order; so we run vLLM's own group set-up, without a model.
+    Then the engines agree on their KV-cache size with a MIN all-reduce over that world group: we add
+    the largest int64, which changes nothing."""
+    import torch.distributed as dist
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import get_world_group
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+    config = EngineArgs(**_engine_kwargs(model_path, cfg, seed=0)).create_engine_config()
+    with set_current_vllm_config(config):
+        init_worker_distributed_environment(config, rank=int(os.environ["RANK"]), local_rank=local_rank,
+                                            backend="nccl" if torch.cuda.is_available() else "gloo")
+    free_bytes = torch.tensor([torch.iinfo(torch.int64).max], dtype=torch.int64)
+    dist.all_reduce(free_bytes, group=get_world_group().cpu_group, op=dist.ReduceOp.MIN)
