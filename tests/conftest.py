@@ -25,6 +25,14 @@ def run_script(script: str, args: list[str], nproc: int | None = None, check: bo
     return proc
 
 
+def assert_clean_error(proc: subprocess.CompletedProcess, script: str, *fragments: str) -> None:
+    """A user mistake: non-zero exit, our one-line message, and no traceback through our own code
+    (torchrun still prints its own failure summary after it)."""
+    assert proc.returncode != 0
+    assert all(f in proc.stderr for f in fragments), proc.stderr[-3000:]
+    assert f'File "{REPO / script}"' not in proc.stderr, proc.stderr[-3000:]
+
+
 def read_metrics(out_dir: Path) -> dict[int, dict]:
     """metrics.jsonl as {step: metrics}; a step logged twice (a resumed run) keeps its last entry."""
     by_step = {}
