@@ -75,6 +75,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 1
     eval_every: int = 50                # held-out greedy accuracy; also before the first step and at the end
+    stop_at_step: int | None = None     # end this run early, as a preemption would; the schedule still spans `steps`
 
 
 @dataclass
@@ -370,7 +371,7 @@ def evaluate(engine, tokenizer, eval_rows: list[dict], prompts: list[list[int]],
     return s["correct"] / s["n"]
 
 
-def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_rows, start_step: int,
+def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_rows, steps: range,
                  ckpt: Checkpointer, policy, optim, sched) -> None:
     functions = load_reward_functions(cfg.rewards)
     weights = cfg.rewards.weights or [1.0] * len(functions)
@@ -380,16 +381,16 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
     eval_prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in eval_rows]
     me, P, G = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks), cfg.sampling.num_generations
     per_rank = cfg.train.prompts_per_step // P
-    log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=start_step)
+    log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=steps.start)
 
     def local_rewards(rollout: Rollout):
         texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         total, terms, errors = score(texts, [rows[i] for i in rollout.row_ids], functions, weights)
         return torch.tensor(total), {k: torch.tensor(v) for k, v in terms.items()}, errors
 
-    if start_step == 0:
-        log.print(f"held-out accuracy before GRPO: {evaluate(engine, tokenizer, eval_rows, eval_prompts, cfg, roles, accuracy):.3f}")
-    for step in range(start_step, cfg.train.steps):
+    start_accuracy = evaluate(engine, tokenizer, eval_rows, eval_prompts, cfg, roles, accuracy)
+    log.print(f"held-out accuracy at step {steps.start}: {start_accuracy:.3f}")
+    for step in steps:
         t0 = time.perf_counter()
         index = sample_indices(step, cfg.train.prompts_per_step, len(rows), cfg.train.seed)[me * per_rank:(me + 1) * per_rank]
         rollout = generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id,
@@ -421,11 +422,14 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         if done % cfg.train.log_every == 0 or "eval/accuracy" in metrics:
             log.log(done, metrics, ("reward/mean", "reward/accuracy", "loss/kl", "completion/length",
                                     "perf/generate_tokens_per_s", "time/step", "eval/accuracy"))
-        ckpt.maybe_save(done, cfg.train.steps, policy, optim,
+        ckpt.maybe_save(done, steps.stop, policy, optim,
                         {"scheduler": sched.state_dict(), "config": config_to_dict(cfg)})
-    export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
-    export_hf(policy, tokenizer, export_dir, roles.groups["policy"])
-    log.print(f"exported {export_dir}")
+    if steps.stop == cfg.train.steps:
+        export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
+        export_hf(policy, tokenizer, export_dir, roles.groups["policy"])
+        log.print(f"exported {export_dir}")
+    log.print(f"held-out accuracy: {start_accuracy:.3f} at step {steps.start} -> {metrics.get('eval/accuracy', float('nan')):.3f} "
+              f"at step {steps.stop}")
     log.close()
 
 
@@ -476,7 +480,7 @@ def main() -> None:
     start_step = exchange(start_step)[0]     # every role walks the same steps
     engine = build_engine(cfg.model.path, cfg.engine, cfg.train.seed) if roles.is_policy \
         else join_engine_groups(cfg.model.path, cfg.engine, roles.dist.local_rank)
-    steps = range(start_step, cfg.train.steps)
+    steps = range(start_step, min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps))
     if roles.is_reference:
         serve_reference(cfg, roles, steps)
     elif roles.is_reward:
@@ -484,7 +488,7 @@ def main() -> None:
     else:
         if start_step > 0:
             sync_weights(policy, engine)     # the engine loaded model.path; bring it to the checkpoint
-        train_policy(cfg, roles, engine, tokenizer, rows, eval_rows, start_step, ckpt, policy, optim, sched)
+        train_policy(cfg, roles, engine, tokenizer, rows, eval_rows, steps, ckpt, policy, optim, sched)
     close_engines(engine if roles.is_policy else None)
     close_dist()
 
