@@ -37,9 +37,11 @@ from forge_core.sync import sync_weights
 class PromptDataConfig:
     path: str = "artifacts/tiny/data/train.jsonl"   # .jsonl / .json / .parquet, or a `datasets` name
     split: str = "train"
+    subset: str | None = None                        # for a `datasets` name with configs (gsm8k: "main")
     prompt_field: str = "prompt"
     answer_field: str = "answer"                     # handed to reward functions as row[answer_field]
     eval_path: str = "artifacts/tiny/data/eval.jsonl"
+    eval_split: str = "test"                         # for a `datasets` name
     eval_rows: int = 200
 
 
@@ -389,6 +391,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         return torch.tensor(total), {k: torch.tensor(v) for k, v in terms.items()}, errors
 
     start_accuracy = evaluate(engine, tokenizer, eval_rows, eval_prompts, cfg, roles, accuracy)
+    accuracy_now = start_accuracy
     log.print(f"held-out accuracy at step {steps.start}: {start_accuracy:.3f}")
     for step in steps:
         t0 = time.perf_counter()
@@ -418,7 +421,8 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
             metrics |= {"sync/seconds": sync.seconds, "sync/gather_seconds": sync.gather_seconds,
                         "sync/gigabytes": sync.bytes / 1e9}
         if done == cfg.train.steps or (cfg.train.eval_every and done % cfg.train.eval_every == 0):
-            metrics["eval/accuracy"] = evaluate(engine, tokenizer, eval_rows, eval_prompts, cfg, roles, accuracy)
+            metrics["eval/accuracy"] = accuracy_now = evaluate(engine, tokenizer, eval_rows, eval_prompts, cfg, roles,
+                                                               accuracy)
         if done % cfg.train.log_every == 0 or "eval/accuracy" in metrics:
             log.log(done, metrics, ("reward/mean", "reward/accuracy", "loss/kl", "completion/length",
                                     "perf/generate_tokens_per_s", "time/step", "eval/accuracy"))
@@ -428,8 +432,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
         export_hf(policy, tokenizer, export_dir, roles.groups["policy"])
         log.print(f"exported {export_dir}")
-    log.print(f"held-out accuracy: {start_accuracy:.3f} at step {steps.start} -> {metrics.get('eval/accuracy', float('nan')):.3f} "
-              f"at step {steps.stop}")
+    log.print(f"held-out accuracy: {start_accuracy:.3f} at step {steps.start} -> {accuracy_now:.3f} at step {steps.stop}")
     log.close()
 
 
@@ -458,8 +461,8 @@ def main() -> None:
     roles = init_roles(cfg.layout)           # gloo+cpu or nccl+cuda; every rank builds every group, same order
     check_config(cfg, roles)
     load_reward_functions(cfg.rewards)       # a typo in a reward name fails here, on every rank, before any work
-    rows = read_rows(cfg.data.path, cfg.data.split)
-    eval_rows = read_rows(cfg.data.eval_path, cfg.data.split)[:cfg.data.eval_rows]
+    rows = read_rows(cfg.data.path, cfg.data.split, cfg.data.subset)
+    eval_rows = read_rows(cfg.data.eval_path, cfg.data.eval_split, cfg.data.subset)[:cfg.data.eval_rows]
     require_fields(rows, [cfg.data.prompt_field, cfg.data.answer_field], cfg.data.path)
     require_fields(eval_rows, [cfg.data.prompt_field, cfg.data.answer_field], cfg.data.eval_path)
     tokenizer = load_tokenizer(cfg.model)

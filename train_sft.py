@@ -56,10 +56,10 @@ Example = tuple[list[int], list[int]]
 
 def load_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], list[dict], int]:
     """Tokenized training examples, held-out rows, and how many examples were truncated."""
-    rows = read_rows(cfg.path, cfg.split)
+    rows = read_rows(cfg.path, cfg.split, cfg.subset)
     require_fields(rows, [cfg.prompt_field, cfg.response_field], cfg.path)
     if cfg.eval_path is not None:
-        eval_rows = read_rows(cfg.eval_path, cfg.split)
+        eval_rows = read_rows(cfg.eval_path, cfg.eval_split, cfg.subset)
         require_fields(eval_rows, [cfg.prompt_field, cfg.response_field], cfg.eval_path)
         eval_rows = eval_rows[:cfg.eval_rows]
     else:

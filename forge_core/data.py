@@ -23,17 +23,20 @@ IGNORE = -100   # label of a token that is not trained on (prompt, padding)
 class DataConfig:
     path: str = "artifacts/tiny/data/train.jsonl"   # .jsonl / .json / .parquet file, or a `datasets` name
     split: str = "train"                             # for a `datasets` name
+    subset: str | None = None                        # for a `datasets` name with configs (gsm8k: "main")
     prompt_field: str = "prompt"
     response_field: str = "response"
     eval_path: str | None = "artifacts/tiny/data/eval.jsonl"   # held-out rows; None: hold out eval_rows
+    eval_split: str = "test"                         # for a `datasets` name
     eval_rows: int = 200                             # held-out rows evaluated (taken from the end if no eval_path)
     max_length: int = 256                            # longer examples are truncated (and counted)
     pack: bool = False                               # pack a micro-batch's examples into fewer rows
 
 
-def read_rows(source: str, split: str = "train") -> list[dict]:
+def read_rows(source: str, split: str = "train", subset: str | None = None) -> list[dict]:
+    """A .jsonl/.json/.parquet file; or a `datasets` name / local data set directory (with split, subset)."""
     path = Path(source)
-    if path.suffix in (".jsonl", ".json", ".parquet") or path.exists():
+    if path.is_file() or path.suffix in (".jsonl", ".json", ".parquet"):
         if not path.is_file():
             raise ForgeError(f"data error: {source}: no such file")
         if path.suffix == ".parquet":
@@ -42,10 +45,11 @@ def read_rows(source: str, split: str = "train") -> list[dict]:
         return _read_jsonl(path)
     import datasets
     try:
-        return list(datasets.load_dataset(source, split=split))
+        return list(datasets.load_dataset(source, subset, split=split))
     except Exception as err:   # datasets raises many types; all mean "cannot get this data set"
-        raise ForgeError(f"data error: '{source}' is neither a local file nor a loadable data set "
-                         f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+        first_line = str(err).splitlines()[0] if str(err) else ""
+        raise ForgeError(f"data error: '{source}' (split '{split}') is neither a local file nor a loadable "
+                         f"data set ({type(err).__name__}: {first_line})") from None
 
 
 def _read_jsonl(path: Path) -> list[dict]:

@@ -1,0 +1,67 @@
+"""Data loading: local files, a `datasets` directory in GSM8K's own format, chat encoding, rewards."""
+
+import json
+
+import pytest
+
+import rewards
+from forge_core.config import ForgeError
+from forge_core.data import IGNORE, collate_sft, encode_sft, read_rows, sample_indices
+
+GSM8K_ROWS = [
+    {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                 "How many clips did Natalia sell altogether in April and May?",
+     "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+               "altogether in April and May.\n#### 72"},
+    {"question": "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
+                 "How much did she earn?",
+     "answer": "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned "
+               "0.2 x 50 = $<<0.2*50=10>>10.\n#### 10"},
+]
+
+
+def test_gsm8k_format_through_datasets_and_parquet(tmp_path):
+    gsm8k = tmp_path / "gsm8k"
+    gsm8k.mkdir()
+    for split in ("train", "test"):
+        (gsm8k / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM8K_ROWS))
+    rows = read_rows(str(gsm8k), split="test")
+    assert rows == GSM8K_ROWS
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(GSM8K_ROWS), tmp_path / "train.parquet")
+    assert read_rows(str(tmp_path / "train.parquet")) == GSM8K_ROWS
+    assert [rewards.gsm8k_correct(c, r) for c, r in zip(["so 72 clips", "#### 10.0"], rows)] == [1.0, 1.0]
+    assert rewards.math_correct("The answer is \\boxed{72}", rows[0]) == 1.0
+    assert rewards.gsm8k_correct("I think 71", rows[0]) == 0.0
+
+
+def test_bad_json_line_is_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "response": "2"}\n{"prompt": oops}\n')
+    with pytest.raises(ForgeError, match=f"data error: {bad} line 2: not valid JSON"):
+        read_rows(str(bad))
+    with pytest.raises(ForgeError, match="is neither a local file nor a loadable data set"):
+        read_rows(str(tmp_path / "no_such_dataset_dir"))
+
+
+def test_response_only_labels_and_packing(tiny):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny / "init")
+    ids, labels, truncated = encode_sft(tok, "12+34=", "46", max_length=64)
+    assert not truncated
+    trained = [t for t in labels if t != IGNORE]
+    assert tok.decode(trained) == "46<|im_end|>"
+    assert ids[-len(trained):] == trained
+    assert tok.decode(ids[:-len(trained)]) == "<|im_start|>user\n12+34=<|im_end|>\n<|im_start|>assistant\n"
+    examples = [encode_sft(tok, p, r, 64)[:2] for p, r in [("1+1=", "2"), ("10+10=", "20"), ("5+5=", "10")]]
+    packed = collate_sft(examples, tok.pad_token_id, pack=True, max_length=64)
+    assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
+    assert (packed["position_ids"][0] == 0).sum() == 3    # every example restarts its positions
+
+
+def test_sample_stream_is_a_function_of_the_step():
+    first_epoch = [i for step in range(5) for i in sample_indices(step, 4, 20, seed=0)]
+    assert sorted(first_epoch) == list(range(20))           # an epoch visits every row once
+    assert sample_indices(7, 4, 20, seed=0) == sample_indices(7, 4, 20, seed=0)
+    assert sample_indices(5, 4, 20, seed=0) != sample_indices(0, 4, 20, seed=0)
