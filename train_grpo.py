@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,7 @@ class TrainConfig:
     mini_batches: int = 1               # optimizer steps per generation batch and iteration
     micro_batch_size: int = 64          # sequences per forward on one rank
     sync_every: int = 1                 # weight sync to the engines every k steps
+    one_step_off: bool = False          # reward/reference ranks score step t while the policy trains on t-1
     seed: int = 0
     log_every: int = 1
     eval_every: int = 50                # held-out greedy accuracy; also before the first step and at the end
@@ -199,46 +200,61 @@ def load_reward_functions(cfg: RewardConfig) -> dict[str, Callable[[str, dict], 
 
 
 def score(completions: list[str], rows: list[dict], functions: dict, weights: list[float]) -> tuple:
-    """Weighted sum of the reward functions per completion; a function that raises scores 0 and is counted."""
+    """Weighted sum of the reward functions per completion, each function's value, and per completion the
+    number of functions that raised (they score 0: a user's reward must not end the run)."""
     terms = {name: [] for name in functions}
-    errors = 0
-    for text, row in zip(completions, rows):
+    errors = [0] * len(completions)
+    for i, (text, row) in enumerate(zip(completions, rows)):
         for name, fn in functions.items():
             try:
                 terms[name].append(float(fn(text, row)))
-            except Exception:   # a user's reward must not end the run; the error count is logged
+            except Exception:
                 terms[name].append(0.0)
-                errors += 1
+                errors[i] += 1
     total = [sum(w * terms[n][i] for n, w in zip(functions, weights)) for i in range(len(completions))]
     return total, terms, errors
 
 
-def serve_rewards(cfg: GRPOConfig, roles: Roles, tokenizer, rows: list[dict], steps: range) -> None:
-    """Reward ranks: receive every policy rank's token ids, score our share (i % R), send the scores back."""
+def serve(answer: Callable[[dict], dict], steps: range, one_step_off: bool) -> None:
+    """Reference and reward ranks, once per step: token ids in (exchange 1), answers out (exchange 2).
+    One step off, the answer sent at step t is the one computed for step t-1 while the policy trained."""
+    ready = None
+    for _ in range(len(steps) + one_step_off):
+        gathered = exchange(None)
+        batch = merge_rollouts(gathered) if any(p is not None for p in gathered) else None
+        if one_step_off:
+            exchange(ready)
+            ready = answer(batch) if batch is not None else None
+        else:
+            exchange(answer(batch))
+
+
+def reward_answerer(cfg: GRPOConfig, roles: Roles, tokenizer, rows: list[dict]) -> Callable[[dict], dict]:
+    """Reward ranks score their share of all sequences (i % R) with the reward functions (+ reward model)."""
     functions = load_reward_functions(cfg.rewards)
     weights = cfg.rewards.weights or [1.0] * len(functions)
     reward_model = RewardModel(cfg, roles) if cfg.rewards.model_path else None
     me, R = roles.reward_ranks.index(roles.rank), len(roles.reward_ranks)
-    for _ in steps:
-        batch = merge_rollouts(exchange(None))
+
+    def answer(batch: dict) -> dict:
         mine = list(range(me, len(batch["row_ids"]), R))
         texts = tokenizer.batch_decode(batch["completion_ids"][mine], skip_special_tokens=True)
         total, terms, errors = score(texts, [rows[batch["row_ids"][i]] for i in mine], functions, weights)
         if reward_model is not None:
             total = [t + cfg.rewards.model_weight * m for t, m in zip(total, reward_model(batch, mine))]
-        exchange({"index": mine, "rewards": total, "terms": terms, "errors": errors})
+        return {"index": mine, "rewards": total, "terms": terms, "errors": errors}
+    return answer
 
 
-def serve_reference(cfg: GRPOConfig, roles: Roles, steps: range) -> None:
+def reference_answerer(cfg: GRPOConfig, roles: Roles) -> Callable[[dict], dict | None]:
     """Reference ranks: the frozen initial policy (FSDP over the reference group) scores its chunk of all
     sequences; chunks are padded to equal length so every rank runs the same number of forwards."""
-    model = shard(load_model(cfg.model), roles.reference_mesh, cfg.fsdp).eval() if cfg.loss.beta > 0 else None
+    if cfg.loss.beta == 0:
+        return lambda batch: None
+    model = shard(load_model(cfg.model), roles.reference_mesh, cfg.fsdp).eval()
     me, R = roles.reference_ranks.index(roles.rank), len(roles.reference_ranks)
-    for _ in steps:
-        batch = merge_rollouts(exchange(None))
-        if model is None:
-            exchange(None)
-            continue
+
+    def answer(batch: dict) -> dict:
         n = len(batch["row_ids"])
         per_rank = math.ceil(n / R)
         mine = [min(i, n - 1) for i in range(me * per_rank, (me + 1) * per_rank)]
@@ -247,7 +263,8 @@ def serve_reference(cfg: GRPOConfig, roles: Roles, steps: range) -> None:
         with torch.no_grad():
             logprobs = micro_batched_logprobs(model, part, cfg.train.micro_batch_size, cfg.sampling.temperature)
         keep = [k for k, i in enumerate(mine) if i == me * per_rank + k]
-        exchange({"index": [mine[k] for k in keep], "ref_logprobs": logprobs[keep]})
+        return {"index": [mine[k] for k in keep], "ref_logprobs": logprobs[keep]}
+    return answer
 
 
 class RewardModel:
@@ -277,14 +294,21 @@ def merge_rollouts(gathered: list) -> dict:
             "row_ids": [r for p in parts for r in p["row_ids"]]}
 
 
-def ask_scores(rollout: Rollout, roles: Roles, cfg: GRPOConfig, local_rewards) -> None:
-    """Policy side of the two exchanges: token ids out, then rewards and reference logprobs back."""
-    exchange({"prompt_ids": rollout.prompt_ids, "prompt_mask": rollout.prompt_mask, "row_ids": rollout.row_ids,
+def send_rollout(rollout: Rollout | None) -> None:
+    """Exchange 1, policy side: token ids out to the reward and reference ranks (None: nothing new)."""
+    exchange(None if rollout is None else
+             {"prompt_ids": rollout.prompt_ids, "prompt_mask": rollout.prompt_mask, "row_ids": rollout.row_ids,
               "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask})
+
+
+def receive_scores(rollout: Rollout | None, roles: Roles, cfg: GRPOConfig, local_rewards) -> None:
+    """Exchange 2, policy side: rewards and reference logprobs for `rollout` come back and are attached."""
     answers = exchange(None)
+    if rollout is None:
+        return
     offset = roles.policy_ranks.index(roles.rank) * len(rollout)      # every policy rank has the same count
     mine = range(offset, offset + len(rollout))
-    rewards, terms, errors = torch.zeros(len(rollout)), {}, 0
+    rewards, errors, terms = torch.zeros(len(rollout)), torch.zeros(len(rollout)), {}
     ref = torch.zeros_like(rollout.sampler_logprobs)
     for answer in answers:
         for k, i in enumerate(answer["index"] if answer else []):
@@ -292,13 +316,13 @@ def ask_scores(rollout: Rollout, roles: Roles, cfg: GRPOConfig, local_rewards) -
                 continue
             if "rewards" in answer:
                 rewards[i - offset] = answer["rewards"][k]
+                errors[i - offset] = answer["errors"][k]
                 for name, values in answer["terms"].items():
                     terms.setdefault(name, torch.zeros(len(rollout)))[i - offset] = values[k]
             else:
                 ref[i - offset] = answer["ref_logprobs"][k]
-        errors += answer["errors"] if answer and "errors" in answer else 0
     if not roles.reward_ranks:        # no reward ranks: rule rewards run right here
-        rewards, terms, errors = local_rewards(rollout)
+        rewards, errors, terms = local_rewards(rollout)
     rollout.rewards, rollout.reward_terms, rollout.reward_errors = rewards, terms, errors
     rollout.ref_logprobs = ref if cfg.loss.beta > 0 else None
 
@@ -349,7 +373,7 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
 
 def rollout_metrics(rollout: Rollout, roles: Roles, accuracy_fn: str) -> dict[str, float]:
     r = rollout.rewards
-    sums = {"n": len(rollout), "r": r.sum().item(), "r2": (r ** 2).sum().item(), "errors": rollout.reward_errors,
+    sums = {"n": len(rollout), "r": r.sum().item(), "r2": (r ** 2).sum().item(), "errors": rollout.reward_errors.sum().item(),
             "len": rollout.completion_mask.sum().item(), "trunc": rollout.truncated.sum().item(),
             **{f"term/{k}": v.sum().item() for k, v in rollout.reward_terms.items()}}
     s = reduce_metrics(sums, roles.groups["policy"])
@@ -373,6 +397,40 @@ def evaluate(engine, tokenizer, eval_rows: list[dict], prompts: list[list[int]],
     return s["correct"] / s["n"]
 
 
+def scored_rollouts(engine, tokenizer, prompts, steps: range, cfg: GRPOConfig, roles: Roles,
+                    local_rewards) -> Iterator[Rollout]:
+    """This policy rank's rollouts, in step order, with rewards (and reference logprobs) attached. With
+    `one_step_off`, step t's rollout goes out before step t-1's is trained on, so it was sampled by weights
+    one update older; the truncated importance-sampling weight in `grpo_loss` corrects for that."""
+    me, P = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks)
+    per_rank = cfg.train.prompts_per_step // P
+    waiting = None
+    for step in steps:
+        t0 = time.perf_counter()
+        index = sample_indices(step, cfg.train.prompts_per_step, len(prompts), cfg.train.seed)[me * per_rank:(me + 1) * per_rank]
+        rollout = generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id,
+                           seed=cfg.train.seed + step * 1_000 + roles.rank)
+        t1 = time.perf_counter()
+        send_rollout(rollout)
+        rollout.seconds = {"generate": t1 - t0}
+        if not cfg.train.one_step_off:
+            receive_scores(rollout, roles, cfg, local_rewards)
+            rollout.seconds["score"] = time.perf_counter() - t1
+            yield rollout
+            continue
+        receive_scores(waiting, roles, cfg, local_rewards)
+        if waiting is not None:
+            waiting.seconds["score"] = time.perf_counter() - t1
+            yield waiting
+        waiting = rollout
+    if waiting is not None:
+        t1 = time.perf_counter()
+        send_rollout(None)
+        receive_scores(waiting, roles, cfg, local_rewards)
+        waiting.seconds["score"] = time.perf_counter() - t1
+        yield waiting
+
+
 def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_rows, steps: range,
                  ckpt: Checkpointer, policy, optim, sched) -> None:
     functions = load_reward_functions(cfg.rewards)
@@ -381,25 +439,19 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
     accuracy = functions[accuracy_name]
     prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in rows]
     eval_prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in eval_rows]
-    me, P, G = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks), cfg.sampling.num_generations
-    per_rank = cfg.train.prompts_per_step // P
+    P, G = len(roles.policy_ranks), cfg.sampling.num_generations
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=steps.start)
 
     def local_rewards(rollout: Rollout):
         texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         total, terms, errors = score(texts, [rows[i] for i in rollout.row_ids], functions, weights)
-        return torch.tensor(total), {k: torch.tensor(v) for k, v in terms.items()}, errors
+        return torch.tensor(total), torch.tensor(errors, dtype=torch.float32), {k: torch.tensor(v) for k, v in terms.items()}
 
     start_accuracy = evaluate(engine, tokenizer, eval_rows, eval_prompts, cfg, roles, accuracy)
     accuracy_now = start_accuracy
     log.print(f"held-out accuracy at step {steps.start}: {start_accuracy:.3f}")
-    for step in steps:
-        t0 = time.perf_counter()
-        index = sample_indices(step, cfg.train.prompts_per_step, len(rows), cfg.train.seed)[me * per_rank:(me + 1) * per_rank]
-        rollout = generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id,
-                           seed=cfg.train.seed + step * 1_000 + roles.rank)
-        t_gen = time.perf_counter()
-        ask_scores(rollout, roles, cfg, local_rewards)
+    rollouts = scored_rollouts(engine, tokenizer, prompts, steps, cfg, roles, local_rewards)
+    for step, rollout in zip(steps, rollouts):
         t_score = time.perf_counter()
         rollout.advantages = group_advantages(rollout.rewards, G, cfg.loss.scale_rewards)
         if cfg.loss.drop_zero_variance_groups:
@@ -411,10 +463,11 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         t_sync = time.perf_counter()
 
         metrics = rollout_metrics(rollout, roles, accuracy_name) | stats
-        gen_tokens = metrics["completion/length"] * per_rank * G * P
-        metrics |= {"time/generate": t_gen - t0, "time/score": t_score - t_gen, "time/train": t_train - t_score,
-                    "time/sync": t_sync - t_train, "time/step": t_sync - t0, "train/lr": sched.get_last_lr()[0],
-                    "perf/generate_tokens_per_s": gen_tokens / (t_gen - t0),
+        gen_tokens = metrics["completion/length"] * cfg.train.prompts_per_step * G
+        seconds = rollout.seconds | {"train": t_train - t_score, "sync": t_sync - t_train}
+        metrics |= {f"time/{k}": v for k, v in seconds.items()} | {"time/step": sum(seconds.values()),
+                    "train/lr": sched.get_last_lr()[0],
+                    "perf/generate_tokens_per_s": gen_tokens / seconds["generate"],
                     "perf/train_tokens_per_s": stats["train/tokens"] / (t_train - t_score),
                     "mem/peak_gb_rank0": peak_memory_gb(roles.dist.device)}
         if sync is not None:
@@ -485,9 +538,9 @@ def main() -> None:
         else join_engine_groups(cfg.model.path, cfg.engine, roles.dist.local_rank)
     steps = range(start_step, min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps))
     if roles.is_reference:
-        serve_reference(cfg, roles, steps)
+        serve(reference_answerer(cfg, roles), steps, cfg.train.one_step_off)
     elif roles.is_reward:
-        serve_rewards(cfg, roles, tokenizer, rows, steps)
+        serve(reward_answerer(cfg, roles, tokenizer, rows), steps, cfg.train.one_step_off)
     else:
         if start_step > 0:
             sync_weights(policy, engine)     # the engine loaded model.path; bring it to the checkpoint

@@ -44,7 +44,8 @@ class Rollout:
     row_ids: list[int]                  # [B*G] data set row of each sequence
     rewards: Tensor | None = None       # [B*G]
     reward_terms: dict[str, Tensor] = field(default_factory=dict)   # function name -> [B*G] unweighted
-    reward_errors: int = 0              # reward-function calls that raised (scored 0)
+    reward_errors: Tensor | None = None  # [B*G] reward-function calls that raised (each scored 0)
+    seconds: dict[str, float] = field(default_factory=dict)          # phase -> wall time (generate, score)
     ref_logprobs: Tensor | None = None  # [B*G, C]
     advantages: Tensor | None = None    # [B*G]
     old_logprobs: Tensor | None = None  # [B*G, C] trainer's logprobs before this step's updates
@@ -56,6 +57,7 @@ class Rollout:
         """The sequences in `index` (a slice), every per-sequence field cut the same way."""
         cut = {k: (v[index] if isinstance(v, (Tensor, list)) else v) for k, v in vars(self).items()}
         cut["reward_terms"] = {k: v[index] for k, v in self.reward_terms.items()}
+        cut["seconds"] = dict(self.seconds)
         return Rollout(**cut)
 
 
