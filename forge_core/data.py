@@ -1,7 +1,7 @@
 """Rows in (JSONL / Parquet / a `datasets` name), token ids out: chat template, response-only labels,
 optional packing, and a step-indexed sample stream that makes resuming exact (position = step).
 
-Also the synthetic verifiable task the tiny default job learns: 3-digit addition.
+Also the synthetic verifiable task the tiny default job learns: addition.
 """
 
 import json
@@ -149,7 +149,9 @@ def _first_fit(examples: list[tuple[list[int], list[int]]], max_length: int) -> 
 # ---- the synthetic verifiable task ----
 
 def addition_rows(num_rows: int, seed: int, digits: int = 3, exclude: set[str] = frozenset()) -> list[dict]:
-    """`123+456=` -> `579`: distinct problems, none of them in `exclude` (keeps eval held out)."""
+    """`12+45=` -> `57`: distinct problems, none of them in `exclude` (keeps eval held out)."""
+    if num_rows > 10 ** (2 * digits) - len(exclude):
+        raise ForgeError(f"data error: only {10 ** (2 * digits)} distinct {digits}-digit additions exist")
     rng = random.Random(seed)
     rows, seen = [], set(exclude)
     while len(rows) < num_rows:

@@ -106,3 +106,17 @@ def test_one_step_off_pipeline_learns(tiny, tmp_path):
     last = sum(metrics[s]["reward/mean"] for s in range(STEPS - 2, STEPS + 1)) / 3
     assert last > first + 0.1, (first, last)
     assert metrics[1]["loss/logprob_gap"] < 1e-5 < metrics[STEPS]["loss/logprob_gap"]
+
+
+def test_reward_model_on_the_reward_ranks(tiny, tmp_path):
+    """An HF sequence-classification model (here a random tiny Llama head) adds its score to the rule rewards."""
+    import torch
+    from transformers import AutoConfig, LlamaForSequenceClassification
+    config = AutoConfig.from_pretrained(tiny / "init", num_labels=1)
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    run_script("train_grpo.py", grpo_args(tiny, tmp_path / "out", "--train.steps", "2", "--rewards.model_path",
+                                          str(tmp_path / "rm"), "--rewards.model_weight", "1.0"), nproc=3)
+    metrics = read_metrics(tmp_path / "out")
+    rule = metrics[1]["reward/digit_fraction"]
+    assert abs(metrics[1]["reward/mean"] - rule) > 1e-4     # the model's scores moved the reward

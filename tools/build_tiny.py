@@ -1,5 +1,5 @@
 """Build the embedded default locally, no hub: a BPE tokenizer with a ChatML template, a randomly
-initialised ~1M-parameter Llama-style model, and the 3-digit addition task (train + held-out eval).
+initialised ~1M-parameter Llama-style model, and the addition task (train + held-out eval).
 
     python tools/build_tiny.py                   # -> artifacts/tiny/{init,data}
     python tools/build_tiny.py --out /tmp/t --train-rows 2000
@@ -24,7 +24,8 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 @dataclass
 class BuildConfig:
     out: Path = Path("artifacts/tiny")
-    train_rows: int = 20000
+    digits: int = 2                     # operands below 10**digits: learnable from scratch in about a minute
+    train_rows: int = 5000
     eval_rows: int = 500
     seed: int = 0
     hidden_size: int = 128
@@ -61,8 +62,9 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def main(cfg: BuildConfig) -> None:
-    eval_rows = addition_rows(cfg.eval_rows, seed=cfg.seed + 1)
-    train_rows = addition_rows(cfg.train_rows, seed=cfg.seed, exclude={r["prompt"] for r in eval_rows})
+    eval_rows = addition_rows(cfg.eval_rows, seed=cfg.seed + 1, digits=cfg.digits)
+    train_rows = addition_rows(cfg.train_rows, seed=cfg.seed, digits=cfg.digits,
+                               exclude={r["prompt"] for r in eval_rows})
     write_jsonl(cfg.out / "data" / "train.jsonl", train_rows)
     write_jsonl(cfg.out / "data" / "eval.jsonl", eval_rows)
 
