@@ -404,6 +404,13 @@ def scored_rollouts(engine, tokenizer, prompts, steps: range, cfg: GRPOConfig, r
     one update older; the truncated importance-sampling weight in `grpo_loss` corrects for that."""
     me, P = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks)
     per_rank = cfg.train.prompts_per_step // P
+
+    def scored(rollout: Rollout | None, since: float) -> Rollout | None:
+        receive_scores(rollout, roles, cfg, local_rewards)
+        if rollout is not None:
+            rollout.seconds["score"] = time.perf_counter() - since
+        return rollout
+
     waiting = None
     for step in steps:
         t0 = time.perf_counter()
@@ -411,24 +418,15 @@ def scored_rollouts(engine, tokenizer, prompts, steps: range, cfg: GRPOConfig, r
         rollout = generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id,
                            seed=cfg.train.seed + step * 1_000 + roles.rank)
         t1 = time.perf_counter()
-        send_rollout(rollout)
         rollout.seconds = {"generate": t1 - t0}
-        if not cfg.train.one_step_off:
-            receive_scores(rollout, roles, cfg, local_rewards)
-            rollout.seconds["score"] = time.perf_counter() - t1
-            yield rollout
-            continue
-        receive_scores(waiting, roles, cfg, local_rewards)
-        if waiting is not None:
-            waiting.seconds["score"] = time.perf_counter() - t1
-            yield waiting
-        waiting = rollout
-    if waiting is not None:
+        send_rollout(rollout)
+        ready, waiting = (waiting, rollout) if cfg.train.one_step_off else (rollout, None)
+        if scored(ready, t1) is not None:
+            yield ready
+    if waiting is not None:             # one step off: the last rollout's scores are still out
         t1 = time.perf_counter()
         send_rollout(None)
-        receive_scores(waiting, roles, cfg, local_rewards)
-        waiting.seconds["score"] = time.perf_counter() - t1
-        yield waiting
+        yield scored(waiting, t1)
 
 
 def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_rows, steps: range,
@@ -545,7 +543,7 @@ def main() -> None:
         if start_step > 0:
             sync_weights(policy, engine)     # the engine loaded model.path; bring it to the checkpoint
         train_policy(cfg, roles, engine, tokenizer, rows, eval_rows, steps, ckpt, policy, optim, sched)
-    close_engines(engine if roles.is_policy else None)
+    close_engines(engine)                    # None on ranks without an engine
     close_dist()
 
 

@@ -63,7 +63,7 @@ class Rollout:
 
 def build_engine(model_path: str, cfg: EngineConfig, seed: int):
     """One vLLM engine per group of `tensor_parallel_size` ranks, in this process. Collective: every rank
-    of the world must reach this line (see forge_core.dist.shadow_engine_groups for ranks without one)."""
+    of the world must reach this line (ranks without an engine call `join_engine_groups` instead)."""
     from vllm import LLM
     return LLM(**_engine_kwargs(model_path, cfg, seed))
 

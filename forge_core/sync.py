@@ -47,6 +47,6 @@ def _computed_weights(model: nn.Module) -> dict[str, torch.Tensor]:
             state[name] = param.detach().cpu().clone()
         if hasattr(module, "cpu_linear"):
             in_features = getattr(module, "input_size_per_partition", None) or module.embedding_dim
-            eye = torch.eye(in_features, dtype=module.params_dtype if hasattr(module, "params_dtype") else torch.float32)
+            eye = torch.eye(in_features, dtype=getattr(module, "params_dtype", torch.float32))
             state[f"{prefix}.weight"] = module.cpu_linear(eye, module.weight, None).t().contiguous().cpu()
     return state
