@@ -78,7 +78,7 @@ def init_dist() -> Dist:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, store=_attempt_store(), rank=rank, world_size=world_size,
                                 device_id=device if device.type == "cuda" else None)
     mesh = DeviceMesh(device.type, list(range(world_size)))
     return Dist(rank, local_rank, world_size, device, mesh)
@@ -118,6 +118,19 @@ def close_dist() -> None:
     if dist.is_initialized():     # vLLM's shutdown may have destroyed it already
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _attempt_store() -> dist.Store:
+    """The rendezvous store, namespaced by torchrun's restart count. After `--max-restarts` restarts the
+    workers, torchrun hands them the same agent store, where the dead attempt's gloo/NCCL addresses still
+    sit: without the namespace the new group connects to dead ports (pytorch#167288). On several nodes the
+    restart counts of the agents can differ, so there the launcher must give each round a fresh store
+    instead: `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (slurm/ sets it)."""
+    store, _, _ = next(dist.rendezvous("env://"))
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if agent_store and int(os.environ.get("GROUP_WORLD_SIZE", "1")) == 1:
+        return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return store
 
 
 def _free_port() -> int:

@@ -11,13 +11,21 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def script_command(script: str, args: list[str], nproc: int | None = None, launcher_args: tuple[str, ...] = ()
+                   ) -> list[str]:
+    """How a user runs a repo script: under `torchrun --standalone` when nproc is given, else plain python."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                *launcher_args] if nproc else [sys.executable]
+    return [*launcher, str(REPO / script), *args]
+
+
+def script_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+
+
 def run_script(script: str, args: list[str], nproc: int | None = None, check: bool = True,
                timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run a repo script as a user would: under `torchrun --standalone` when nproc is given, else plain python."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
-        if nproc else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([*launcher, str(REPO / script), *args], cwd=REPO, env=env, capture_output=True,
+    proc = subprocess.run(script_command(script, args, nproc), cwd=REPO, env=script_env(), capture_output=True,
                           text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} exited {proc.returncode}\n"
@@ -51,7 +59,34 @@ def tiny(tmp_path_factory) -> Path:
     return out
 
 
+def assert_same_curve(run: dict[int, dict], straight: dict[int, dict], steps: range,
+                      keys: tuple[str, ...] = ("reward/mean", "loss/entropy", "train/grad_norm")) -> None:
+    """A resumed (or restarted) GRPO run logged the straight run's numbers at every step in `steps`."""
+    for step in steps:
+        for key in keys:
+            assert run[step][key] == pytest.approx(straight[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
 def tiny_sft_args(tiny: Path, out_dir: Path, *extra: str) -> list[str]:
     return ["--config", "configs/sft/tiny.yaml", "--model.path", str(tiny / "init"),
             "--data.path", str(tiny / "data" / "train.jsonl"), "--data.eval_path", str(tiny / "data" / "eval.jsonl"),
             "--out_dir", str(out_dir), *extra]
+
+
+STEPS = 12
+
+
+def grpo_args(tiny, out_dir, *extra: str) -> list[str]:
+    return ["--config", "configs/grpo/tiny.yaml", "--model.path", str(tiny / "init"),
+            "--data.path", str(tiny / "data" / "train.jsonl"), "--data.eval_path", str(tiny / "data" / "eval.jsonl"),
+            "--data.eval_rows", "16", "--train.eval_every", "0", "--out_dir", str(out_dir),
+            "--rewards.functions", "tests/rewards_for_tests.py:digit_fraction", "--optim.lr", "3e-3",
+            "--train.prompts_per_step", "8", "--sampling.max_tokens", "6", *extra]
+
+
+@pytest.fixture(scope="session")
+def three_role_run(tiny, tmp_path_factory) -> Path:
+    """The straight 12-step GRPO run (3 ranks) that other runs are compared with."""
+    out = tmp_path_factory.mktemp("grpo_three_roles")
+    run_script("train_grpo.py", grpo_args(tiny, out, "--train.steps", str(STEPS)), nproc=3)
+    return out

@@ -4,17 +4,7 @@ import json
 
 import pytest
 
-from conftest import assert_clean_error, read_metrics, run_script
-
-STEPS = 12
-
-
-def grpo_args(tiny, out_dir, *extra: str) -> list[str]:
-    return ["--config", "configs/grpo/tiny.yaml", "--model.path", str(tiny / "init"),
-            "--data.path", str(tiny / "data" / "train.jsonl"), "--data.eval_path", str(tiny / "data" / "eval.jsonl"),
-            "--data.eval_rows", "16", "--train.eval_every", "0", "--out_dir", str(out_dir),
-            "--rewards.functions", "tests/rewards_for_tests.py:digit_fraction", "--optim.lr", "3e-3",
-            "--train.prompts_per_step", "8", "--sampling.max_tokens", "6", *extra]
+from conftest import STEPS, assert_clean_error, assert_same_curve, grpo_args, read_metrics, run_script
 
 
 def test_synced_engines_equal_the_trainer(tiny, tmp_path):
@@ -27,13 +17,6 @@ def test_synced_engines_equal_the_trainer(tiny, tmp_path):
         assert result["compared"] >= 27 and result["mismatched"] == []
         assert result["vllm_greedy"] == result["hf_greedy"]
         assert result["logprob_gap"] < 1e-5
-
-
-@pytest.fixture(scope="module")
-def three_role_run(tiny, tmp_path_factory):
-    out = tmp_path_factory.mktemp("grpo_three_roles")
-    run_script("train_grpo.py", grpo_args(tiny, out, "--train.steps", str(STEPS)), nproc=3)
-    return out
 
 
 def test_reward_rises_on_an_easy_task(three_role_run):
@@ -89,10 +72,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny, three_role_run, tmp_path)
     run_script("train_grpo.py", [*args, "--train.stop_at_step", "6"], nproc=3)
     assert not (tmp_path / "hf").exists()
     run_script("train_grpo.py", args, nproc=3)
-    straight, resumed = read_metrics(three_role_run), read_metrics(tmp_path)
-    for step in range(7, STEPS + 1):
-        for key in ("reward/mean", "loss/entropy", "train/grad_norm"):
-            assert resumed[step][key] == pytest.approx(straight[step][key], rel=1e-5, abs=1e-7), (step, key)
+    assert_same_curve(read_metrics(tmp_path), read_metrics(three_role_run), range(7, STEPS + 1))
 
 
 def test_one_step_off_pipeline_learns(tiny, tmp_path):
