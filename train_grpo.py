@@ -24,7 +24,7 @@ from torch import Tensor
 from forge_core.ckpt import CheckpointConfig, Checkpointer
 from forge_core.config import ForgeError, config_to_dict, load_config, run_main
 from forge_core.data import chat_prompt_ids, read_rows, require_fields, sample_indices
-from forge_core.dist import Layout, Roles, close_dist, exchange, init_roles
+from forge_core.dist import Layout, Roles, close_dist, exchange, init_roles, role_ranks
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
                               load_tokenizer, optimizer_step, set_gradient_sync, shard)
@@ -489,8 +489,10 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
 
 # ---- main: the SPMD topology ----
 
-def check_config(cfg: GRPOConfig, roles: Roles) -> None:
-    P = len(roles.policy_ranks)
+def check_config(cfg: GRPOConfig, world_size: int, ranks_per_node: int) -> None:
+    """Everything about the config that can fail before any work: also run by tests on the GPU configs."""
+    policy, reference, _ = role_ranks(cfg.layout, world_size)
+    P, tp = len(policy), cfg.engine.tensor_parallel_size
     if cfg.train.prompts_per_step % P:
         raise ForgeError(f"config error: train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple "
                          f"of layout.policy={P}")
@@ -498,11 +500,13 @@ def check_config(cfg: GRPOConfig, roles: Roles) -> None:
     if per_rank % cfg.train.mini_batches:
         raise ForgeError(f"config error: {per_rank} sequences per policy rank do not split into "
                          f"train.mini_batches={cfg.train.mini_batches}")
-    if cfg.loss.beta > 0 and not roles.reference_ranks:
+    if cfg.loss.beta > 0 and not reference:
         raise ForgeError(f"config error: loss.beta={cfg.loss.beta} needs layout.reference >= 1")
-    if P % cfg.engine.tensor_parallel_size:
-        raise ForgeError(f"config error: layout.policy={P} is not a multiple of "
-                         f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size}")
+    if P % tp:
+        raise ForgeError(f"config error: layout.policy={P} is not a multiple of engine.tensor_parallel_size={tp}")
+    if ranks_per_node % tp:
+        raise ForgeError(f"config error: engine.tensor_parallel_size={tp} does not divide the {ranks_per_node} "
+                         "ranks per node: an engine would span two nodes")
     if cfg.sampling.num_generations < 2:
         raise ForgeError("config error: sampling.num_generations must be >= 2 (advantages compare a group)")
 
@@ -510,7 +514,7 @@ def check_config(cfg: GRPOConfig, roles: Roles) -> None:
 def main() -> None:
     cfg = load_config(GRPOConfig)
     roles = init_roles(cfg.layout)           # gloo+cpu or nccl+cuda; every rank builds every group, same order
-    check_config(cfg, roles)
+    check_config(cfg, roles.dist.world_size, roles.dist.ranks_per_node)
     load_reward_functions(cfg.rewards)       # a typo in a reward name fails here, on every rank, before any work
     rows = read_rows(cfg.data.path, cfg.data.split, cfg.data.subset)
     eval_rows = read_rows(cfg.data.eval_path, cfg.data.eval_split, cfg.data.subset)[:cfg.data.eval_rows]

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ForgeError
 
-__all__ = ["Dist", "Layout", "Roles", "init_dist", "init_roles", "close_dist", "exchange"]
+__all__ = ["Dist", "Layout", "Roles", "init_dist", "init_roles", "role_ranks", "close_dist", "exchange"]
 
 
 @dataclass
@@ -22,6 +22,7 @@ class Dist:
     rank: int
     local_rank: int
     world_size: int
+    ranks_per_node: int                 # torchrun's --nproc_per_node
     device: torch.device
     mesh: DeviceMesh                    # 1-D mesh over the whole world (SFT data parallel + FSDP)
 
@@ -81,21 +82,25 @@ def init_dist() -> Dist:
         dist.init_process_group(backend, store=_attempt_store(), rank=rank, world_size=world_size,
                                 device_id=device if device.type == "cuda" else None)
     mesh = DeviceMesh(device.type, list(range(world_size)))
-    return Dist(rank, local_rank, world_size, device, mesh)
+    return Dist(rank, local_rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), device, mesh)
 
 
-def init_roles(layout: Layout) -> Roles:
-    """Split the world into policy | reference | reward ranks (in that order) with a group and mesh each."""
-    d = init_dist()
+def role_ranks(layout: Layout, world_size: int) -> tuple[list[int], list[int], list[int]]:
+    """policy | reference | reward ranks, in that order; a layout that does not fit the world is an error."""
     if min(layout.policy, layout.reference, layout.reward) < 0 or layout.policy < 1:
         raise ForgeError(f"config error: layout needs policy >= 1 and no negative counts, got {layout}")
     needed = layout.policy + layout.reference + layout.reward
-    if needed != d.world_size:
+    if needed != world_size:
         raise ForgeError(f"config error: layout policy={layout.policy} reference={layout.reference} "
-                         f"reward={layout.reward} needs {needed} ranks; torchrun started {d.world_size}")
-    policy = list(range(layout.policy))
-    reference = list(range(layout.policy, layout.policy + layout.reference))
-    reward = list(range(layout.policy + layout.reference, needed))
+                         f"reward={layout.reward} needs {needed} ranks; torchrun started {world_size}")
+    ranks = list(range(needed))
+    return ranks[:layout.policy], ranks[layout.policy:layout.policy + layout.reference], ranks[layout.policy + layout.reference:]
+
+
+def init_roles(layout: Layout) -> Roles:
+    """Split the world into policy | reference | reward ranks with a group and mesh each."""
+    d = init_dist()
+    policy, reference, reward = role_ranks(layout, d.world_size)
     roles = Roles(d, policy, reference, reward)
     for name, ranks in (("policy", policy), ("reference", reference), ("reward", reward)):
         roles.groups[name] = dist.new_group(ranks) if ranks else None

@@ -1,28 +1,49 @@
-"""Every shipped config loads: no unknown keys, every value of the right type."""
+"""Every shipped config loads (no unknown keys, every value of the right type) and fits the world its\nheader launches it on; GPU configs are checked this way without a GPU."""
 
+import re
 from pathlib import Path
 
 import pytest
 
 from forge_core.config import ForgeError, load_config
-from train_grpo import GRPOConfig
-from train_sft import SFTConfig
+from train_grpo import GRPOConfig, check_config
+from train_sft import SFTConfig, accumulation_steps
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
+def launch_shape(path: Path) -> tuple[int, int]:
+    """(nodes, ranks per node) from the launch command in the config's header comment: `torchrun
+    --nproc_per_node N` (one node) or `sbatch --nodes M --gpus-per-node N`."""
+    header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+    per_node = re.search(r"--(?:nproc_per_node|gpus-per-node)[ =](\d+)", header)
+    assert per_node, f"{path.name}: the header must show its launch command"
+    nodes = re.search(r"--(?:nodes|nnodes)[ =](\d+)", header)
+    return int(nodes.group(1)) if nodes else 1, int(per_node.group(1))
+
+
 @pytest.mark.parametrize("path", sorted((CONFIGS / "sft").glob("*.yaml")), ids=lambda p: p.name)
-def test_sft_configs_load(path):
+def test_sft_config_fits_its_launch(path):
+    """Loads (no unknown keys, right types) and its batch splits over the world its header launches."""
     cfg = load_config(SFTConfig, ["--config", str(path)])
-    assert cfg.train.batch_size % cfg.train.micro_batch_size == 0
+    nodes, per_node = launch_shape(path)
+    assert accumulation_steps(cfg.train, nodes * per_node) >= 1
 
 
 @pytest.mark.parametrize("path", sorted((CONFIGS / "grpo").glob("*.yaml")), ids=lambda p: p.name)
-def test_grpo_configs_load(path):
+def test_grpo_config_fits_its_launch(path):
+    """Loads, and the layout, batch, KL and engine TP pass train_grpo's own checks on that world."""
     cfg = load_config(GRPOConfig, ["--config", str(path)])
-    assert cfg.layout.policy % cfg.engine.tensor_parallel_size == 0
-    assert cfg.train.prompts_per_step % cfg.layout.policy == 0
-    assert cfg.loss.beta == 0 or cfg.layout.reference > 0
+    nodes, per_node = launch_shape(path)
+    check_config(cfg, nodes * per_node, per_node)
+
+
+def test_a_layout_that_does_not_fit_is_named(tmp_path):
+    cfg = load_config(GRPOConfig, ["--config", str(CONFIGS / "grpo" / "qwen3_8b_gsm8k_2nodes.yaml")])
+    with pytest.raises(ForgeError, match="needs 16 ranks; torchrun started 8"):
+        check_config(cfg, 8, 8)
+    with pytest.raises(ForgeError, match="tensor_parallel_size=2 does not divide the 3 ranks per node"):
+        check_config(cfg, 16, 3)
 
 
 def test_overrides_win_over_the_yaml():
