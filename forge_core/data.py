@@ -80,10 +80,11 @@ def require_fields(rows: list[dict], fields: list[str], source: str) -> None:
                 raise ForgeError(f"data error: {source} row {i}: no '{name}' field (has: {', '.join(row)})")
 
 
-def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """The user turn plus the assistant header, exactly what the model sees before it answers."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+def chat_prompt_ids(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
+    """The user turn (or a whole conversation of {"role", "content"} messages) plus the assistant header,
+    exactly what the model sees before it answers."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 

@@ -24,9 +24,9 @@ def script_env() -> dict[str, str]:
 
 
 def run_script(script: str, args: list[str], nproc: int | None = None, check: bool = True,
-               timeout: int = 600) -> subprocess.CompletedProcess:
+               timeout: int = 600, stdin: str | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(script_command(script, args, nproc), cwd=REPO, env=script_env(), capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, input=stdin)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} exited {proc.returncode}\n"
                              f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")

@@ -1,0 +1,116 @@
+"""Chat with, or batch-generate from, any exported checkpoint (an HF safetensors directory) with vLLM.
+
+    python generate.py --model.path runs/grpo-tiny/hf                       # interactive chat
+    python generate.py --model.path runs/grpo-tiny/hf --prompts artifacts/tiny/data/eval.jsonl \
+        --output samples.jsonl --sampling.num_generations 4 --sampling.temperature 0.7
+    torchrun --standalone --nproc_per_node 2 generate.py --engine.tensor_parallel_size 2 ...   # TP (GPUs)
+
+Chat commands: /reset starts a new conversation, /exit (or Ctrl-D) leaves.
+"""
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")    # the chat and the printed JSONL stay readable
+
+from forge_core.config import ForgeError, load_config, run_main
+from forge_core.data import chat_prompt_ids, read_rows, require_fields
+from forge_core.dist import close_dist, exchange, init_dist
+from forge_core.model import ModelConfig, load_tokenizer
+from forge_core.rollout import EngineConfig, SamplingConfig, build_engine, close_engines
+
+
+@dataclass
+class GenerateConfig:
+    """Generate with vLLM from an HF checkpoint (forge-spmd)."""
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path="runs/grpo-tiny/hf"))
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(num_generations=1, max_tokens=256,
+                                                                            temperature=0.7))
+    prompts: str | None = None          # .jsonl / .json / .parquet file or a `datasets` name: batch mode; None: chat
+    split: str = "test"                 # for a `datasets` name
+    subset: str | None = None
+    prompt_field: str = "prompt"
+    limit: int | None = None            # first N rows only
+    output: str | None = None           # batch results as JSONL (row + "completions"); None: print them
+    system: str | None = None           # system message put before every conversation
+    seed: int = 0
+
+
+def sampling_params(cfg: SamplingConfig, seed: int):
+    from vllm import SamplingParams   # temperature 0 is greedy
+    return SamplingParams(n=cfg.num_generations, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                          top_p=cfg.top_p, top_k=cfg.top_k, seed=seed)
+
+
+def complete(engine, tokenizer, conversations: list[list[dict]], cfg: GenerateConfig) -> list[list[str]]:
+    """num_generations completions (text) for each conversation."""
+    requests = [{"prompt_token_ids": chat_prompt_ids(tokenizer, messages)} for messages in conversations]
+    outputs = engine.generate(requests, sampling_params(cfg.sampling, cfg.seed), use_tqdm=False)
+    return [[tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in out.outputs] for out in outputs]
+
+
+def opening(cfg: GenerateConfig) -> list[dict]:
+    return [{"role": "system", "content": cfg.system}] if cfg.system else []
+
+
+def batch(engine, tokenizer, cfg: GenerateConfig, is_rank0: bool) -> None:
+    rows = read_rows(cfg.prompts, cfg.split, cfg.subset)[:cfg.limit]
+    require_fields(rows, [cfg.prompt_field], cfg.prompts)
+    conversations = [opening(cfg) + [{"role": "user", "content": row[cfg.prompt_field]}] for row in rows]
+    results = [{**row, "completions": texts} for row, texts in zip(rows, complete(engine, tokenizer, conversations, cfg))]
+    if not is_rank0:
+        return
+    lines = "".join(json.dumps(r) + "\n" for r in results)
+    if cfg.output:
+        Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.output).write_text(lines)
+        print(f"wrote {len(results)} rows to {cfg.output}")
+    else:
+        sys.stdout.write(lines)
+
+
+def chat(engine, tokenizer, cfg: GenerateConfig, is_rank0: bool) -> None:
+    """A read-eval-print loop; rank 0 reads, every engine rank generates (TP engines are collective)."""
+    messages = opening(cfg)
+    while True:
+        line = exchange(_read_line() if is_rank0 else None)[0]
+        if line is None or line.strip() == "/exit":
+            return
+        if line.strip() == "/reset":
+            messages = opening(cfg)
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = complete(engine, tokenizer, [messages], cfg)[0][0]
+        messages.append({"role": "assistant", "content": reply})
+        if is_rank0:
+            print(reply, flush=True)
+
+
+def _read_line() -> str | None:
+    try:
+        return input(">>> " if sys.stdin.isatty() else "")
+    except EOFError:
+        return None
+
+
+def main() -> None:
+    cfg = load_config(GenerateConfig)
+    d = init_dist()
+    if d.world_size % cfg.engine.tensor_parallel_size:
+        raise ForgeError(f"config error: {d.world_size} ranks are not a multiple of "
+                         f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size}")
+    tokenizer = load_tokenizer(cfg.model)
+    if cfg.prompts is not None:
+        read_rows(cfg.prompts, cfg.split, cfg.subset)     # a bad path fails before the engine starts
+    engine = build_engine(cfg.model.path, cfg.engine, cfg.seed)
+    (batch if cfg.prompts is not None else chat)(engine, tokenizer, cfg, d.is_rank0)
+    close_engines(engine)
+    close_dist()
+
+
+if __name__ == "__main__":
+    run_main(main)
