@@ -21,10 +21,11 @@ def test_grpo_across_two_nodes_equals_one_node(tiny, tmp_path):
     args = grpo_args(tiny, tmp_path / "two_nodes", "--train.steps", str(STEPS), "--loss.beta", "0.04",
                      "--layout.policy", "2")
     port = free_port()
+    env = {**script_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}     # a fresh store per round (README)
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
                                 "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes",
                                 str(REPO / "train_grpo.py"), *args],
-                               cwd=REPO, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for _ in range(2)]
     outputs = [agent.communicate(timeout=600)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
