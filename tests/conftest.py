@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,18 @@ def run_script(script: str, args: list[str], nproc: int | None = None, check: bo
         raise AssertionError(f"{script} {' '.join(args)} exited {proc.returncode}\n"
                              f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+def start(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start in a session of its own (output to `log`), so that `stop` takes torchrun's workers down with it."""
+    return subprocess.Popen(command, cwd=REPO, env=env or script_env(), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def assert_clean_error(proc: subprocess.CompletedProcess, script: str, *fragments: str) -> None:

@@ -11,15 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, STEPS, assert_same_curve, grpo_args, read_metrics, run_script, script_command,
-                      script_env)
+from conftest import (STEPS, assert_same_curve, grpo_args, read_metrics, run_script, script_command, start,
+                      stop)
 
 SEED = int(os.environ.get("FORGE_KILL_SEED", time.time_ns() % 100_000))
-
-
-def start(script: str, args: list[str], nproc: int | None, log: Path, launcher_args=()) -> subprocess.Popen:
-    return subprocess.Popen(script_command(script, args, nproc, launcher_args), cwd=REPO, env=script_env(),
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
 def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 300):
@@ -57,11 +52,10 @@ def test_checkpoint_killed_mid_write_leaves_the_previous_one_loadable(tmp_path):
     mid_write = 0
     for attempt in range(4):
         log = tmp_path / f"writer{attempt}.log"
-        proc = start("tests/ckpt_writer.py", ["write", str(tmp_path / "out")], None, log)
+        proc = start(script_command("tests/ckpt_writer.py", ["write", str(tmp_path / "out")]), log)
         wait_for(lambda: "saved" in log.read_text(), proc, "a first save")
         time.sleep(rng.uniform(0.0, 2.0))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        stop(proc)
         mid_write += any((tmp_path / "out" / "checkpoints").glob("*.tmp"))
         check = run_script("tests/ckpt_writer.py", ["check", str(tmp_path / "out")])
         loaded = json.loads(check.stdout.strip().splitlines()[-1])
@@ -76,8 +70,8 @@ def test_grpo_survives_kill9_of_any_rank(tiny, three_role_run, tmp_path):
     last checkpoint and the run ends with the straight run's metrics at every step."""
     rng = random.Random(SEED)
     out, log = tmp_path / "out", tmp_path / "torchrun.log"
-    proc = start("train_grpo.py", grpo_args(tiny, out, "--train.steps", str(STEPS), "--ckpt.save_every", "2"), 3,
-                 log, ("--max-restarts", "3"))
+    args = grpo_args(tiny, out, "--train.steps", str(STEPS), "--ckpt.save_every", "2")
+    proc = start(script_command("train_grpo.py", args, 3, ("--max-restarts", "3")), log)
     killed = []
     try:
         moments = [("step", rng.randint(3, 7)), ("start", rng.uniform(0.5, 12.0)), ("step", 1)]
@@ -95,7 +89,7 @@ def test_grpo_survives_kill9_of_any_rank(tiny, three_role_run, tmp_path):
             killed.append(pids[victim])
         assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
     finally:
-        proc.kill()
+        stop(proc)
     text = log.read_text()
     assert len(killed) == 3 and text.count("(exitcode: -9)") == 3, (f"seed {SEED}", text[-3000:])
     assert_same_curve(read_metrics(out), read_metrics(three_role_run), range(1, STEPS + 1))

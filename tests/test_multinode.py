@@ -3,10 +3,9 @@ without SLURM. Ranks 0-1 (node A) are the policy, rank 2 the reference and rank 
 token ids, rewards and reference logprobs cross the node boundary every step."""
 
 import socket
-import subprocess
 import sys
 
-from conftest import REPO, assert_same_curve, grpo_args, read_metrics, run_script, script_env
+from conftest import REPO, assert_same_curve, grpo_args, read_metrics, run_script, script_env, start, stop
 
 STEPS = 4
 
@@ -22,13 +21,16 @@ def test_grpo_across_two_nodes_equals_one_node(tiny, tmp_path):
                      "--layout.policy", "2")
     port = free_port()
     env = {**script_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}     # a fresh store per round (README)
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
-                                "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes",
-                                str(REPO / "train_grpo.py"), *args],
-                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-              for _ in range(2)]
-    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
-    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    agents = [start([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+                     "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes",
+                     str(REPO / "train_grpo.py"), *args], log, env) for log in logs]
+    try:
+        codes = [agent.wait(timeout=600) for agent in agents]
+    finally:
+        for agent in agents:
+            stop(agent)
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
 
     one_node = tmp_path / "one_node"
     run_script("train_grpo.py", grpo_args(tiny, one_node, "--train.steps", str(STEPS), "--loss.beta", "0.04",
