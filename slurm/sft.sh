@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# SFT on a SLURM allocation: one torchrun per node, c10d rendezvous on the first node (slurm/launch.sh).
+# Submit from the repository root; every #SBATCH line below can be overridden on the command line:
+#   sbatch slurm/sft.sh [config] [overrides...]
+#   sbatch --nodes=2 --gpus-per-node=8 --cpus-per-task=64 --time=12:00:00 --partition=gpu \
+#       slurm/sft.sh configs/sft/llama3_8b.yaml --optim.lr 1e-5
+# --nodes: one torchrun each. --gpus-per-node: one rank per GPU (not set here, so CPU clusters accept it).
+# --cpus-per-task: CPUs per node, and without GPUs the number of ranks (the tiny job trains on 2).
+# --time, --partition (default: the cluster's), --output: per-job log in logs/ (job name-job id).
+# Logs, restarts and environment knobs (NPROC_PER_NODE, MAX_RESTARTS, PYTHON): see slurm/launch.sh.
+#SBATCH --job-name=forge-sft
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=2
+#SBATCH --time=01:00:00
+#SBATCH --output=logs/%x-%j.out
+#SBATCH --requeue
+set -euo pipefail
+cd "${SLURM_SUBMIT_DIR:-.}"      # sbatch runs a copy of this file; the repository is where it was submitted
+exec bash slurm/launch.sh train_sft.py configs/sft/tiny.yaml "$@"
