@@ -81,10 +81,12 @@ def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
 # ---- the loss ----
 
 def token_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed next-token NLL over the labelled (response) tokens of a micro-batch."""
-    labels = batch.pop("labels")
-    logits = model(**batch, use_cache=False).logits[:, :-1].float()
-    return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE, reduction="sum")
+    """Summed next-token NLL over the labelled (response) tokens of a micro-batch. The LM head runs only on
+    the columns where some row has a label (HF's `logits_to_keep`): prompt positions need no logits."""
+    targets = batch.pop("labels")[:, 1:]                                  # [N, S-1] next-token labels
+    columns = (targets != IGNORE).any(0).nonzero().flatten()             # [K] positions that are trained on
+    logits = model(**batch, use_cache=False, logits_to_keep=columns).logits.float()   # [N, K, V]
+    return F.cross_entropy(logits.flatten(0, 1), targets[:, columns].flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def train_step(model, examples: list[Example], cfg: SFTConfig, d: Dist, pad_id: int) -> dict[str, float]:
