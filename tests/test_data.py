@@ -1,6 +1,8 @@
 """Data loading: local files, a `datasets` directory in GSM8K's own format, chat encoding, rewards."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +36,26 @@ def test_gsm8k_format_through_datasets_and_parquet(tmp_path):
     assert [rewards.gsm8k_correct(c, r) for c, r in zip(["so 72 clips", "#### 10.0"], rows)] == [1.0, 1.0]
     assert rewards.math_correct("The answer is \\boxed{72}", rows[0]) == 1.0
     assert rewards.gsm8k_correct("I think 71", rows[0]) == 0.0
+
+
+GSM8K_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "gsm8k"     # openai/gsm8k's layout, config "main"
+
+
+def test_gsm8k_fixture_through_datasets_with_its_config():
+    """The hub layout (README configs + main/{split}-*.parquet) loads by split and subset, as openai/gsm8k would;
+    its calculator annotations hold, and both math rewards accept the gold answers."""
+    train, test = read_rows(str(GSM8K_FIXTURE), "train", "main"), read_rows(str(GSM8K_FIXTURE), "test", "main")
+    assert (len(train), len(test)) == (4, 3) and train[:2] == GSM8K_ROWS
+    for row in train + test:
+        assert set(row) == {"question", "answer"} and re.search(r"\n#### \d+$", row["answer"]), row
+        for expr, value in re.findall(r"<<([^=>]+)=([^>]+)>>", row["answer"]):
+            assert eval(expr, {"__builtins__": {}}) == pytest.approx(float(value)), expr
+        gold = row["answer"].split("####")[-1].strip()
+        assert rewards.gsm8k_correct(row["answer"], row) == 1.0
+        assert rewards.math_correct(f"So the answer is {gold}.", row) == 1.0
+        assert rewards.math_correct(f"So the answer is {int(gold) + 1}.", row) == 0.0
+    shard = GSM8K_FIXTURE / "main" / "test-00000-of-00001.parquet"
+    assert read_rows(str(shard)) == test                                  # one shard as a plain file
 
 
 def test_bad_json_line_is_named(tmp_path):
