@@ -29,8 +29,8 @@ from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
                               load_tokenizer, optimizer_step, set_gradient_sync, shard)
 from forge_core.rollout import (EngineConfig, Rollout, SamplingConfig, build_engine, close_engines, generate,
-                                join_engine_groups)
-from forge_core.sync import sync_weights
+                                join_engine_groups, shared_prompt_rows)
+from forge_core.sync import WeightSync
 
 
 @dataclass
@@ -159,13 +159,13 @@ def grpo_loss(logp: Tensor, mb: Rollout, cfg: LossConfig, max_tokens: int, num_m
 
 
 def token_logprobs(model, part: Rollout, temperature: float, with_entropy: bool = False):
-    """Log-probabilities [n, C] of the completion tokens under `model` (and the entropy of each step)."""
-    ids = torch.cat([part.prompt_ids, part.completion_ids], 1)
-    mask = torch.cat([part.prompt_mask, part.completion_mask], 1)
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    P = part.prompt_ids.shape[1]
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-    logits = logits[:, P - 1:-1].float() / temperature                       # [n, C, V]
+    """Log-probabilities [n, C] of the completion tokens under `model` (and the entropy of each step). Each
+    prompt is computed once for its group (`shared_prompt_rows`), and logits only where completions are read."""
+    rows = shared_prompt_rows(part)
+    logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids,
+                   logits_to_keep=rows.logits_index, use_cache=False).logits           # [u, g*C, V]
+    C = part.completion_ids.shape[1]
+    logits = logits.reshape(-1, C, logits.shape[-1])[rows.sequence_index].float() / temperature   # [n, C, V]
     logprobs = torch.log_softmax(logits, -1)
     chosen = logprobs.gather(-1, part.completion_ids.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
@@ -283,14 +283,16 @@ class RewardModel:
 
 
 def merge_rollouts(gathered: list) -> dict:
-    """The policy ranks' payloads (others sent None), concatenated in rank order = the global sequence index."""
+    """The policy ranks' payloads (others sent None), concatenated in rank order = the global sequence index;
+    prompts left-padded and completions right-padded to the widest rank's."""
     parts = [p for p in gathered if p is not None]
-    width = max(p["prompt_ids"].shape[1] for p in parts)
-    pad = lambda t: torch.nn.functional.pad(t, (width - t.shape[1], 0))
-    return {"prompt_ids": torch.cat([pad(p["prompt_ids"]) for p in parts]),
-            "prompt_mask": torch.cat([pad(p["prompt_mask"]) for p in parts]),
-            "completion_ids": torch.cat([p["completion_ids"] for p in parts]),
-            "completion_mask": torch.cat([p["completion_mask"] for p in parts]),
+
+    def cat(key: str, left: bool) -> Tensor:
+        width = max(p[key].shape[1] for p in parts)
+        return torch.cat([torch.nn.functional.pad(p[key], (width - p[key].shape[1], 0) if left else
+                                                  (0, width - p[key].shape[1])) for p in parts])
+    return {"prompt_ids": cat("prompt_ids", True), "prompt_mask": cat("prompt_mask", True),
+            "completion_ids": cat("completion_ids", False), "completion_mask": cat("completion_mask", False),
             "row_ids": [r for p in parts for r in p["row_ids"]]}
 
 
@@ -320,7 +322,7 @@ def receive_scores(rollout: Rollout | None, roles: Roles, cfg: GRPOConfig, local
                 for name, values in answer["terms"].items():
                     terms.setdefault(name, torch.zeros(len(rollout)))[i - offset] = values[k]
             else:
-                ref[i - offset] = answer["ref_logprobs"][k]
+                ref[i - offset] = answer["ref_logprobs"][k][:ref.shape[1]]     # merged batch may be wider
     if not roles.reward_ranks:        # no reward ranks: rule rewards run right here
         rewards, errors, terms = local_rewards(rollout)
     rollout.rewards, rollout.reward_terms, rollout.reward_errors = rewards, terms, errors
@@ -439,6 +441,9 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
     eval_prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in eval_rows]
     P, G = len(roles.policy_ranks), cfg.sampling.num_generations
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=steps.start)
+    weight_sync = WeightSync(policy, engine, cfg.engine.tensor_parallel_size)
+    if steps.start > 0:
+        weight_sync()                        # the engine loaded model.path; bring it to the checkpoint
 
     def local_rewards(rollout: Rollout):
         texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
@@ -449,6 +454,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
     accuracy_now = start_accuracy
     log.print(f"held-out accuracy at step {steps.start}: {start_accuracy:.3f}")
     rollouts = scored_rollouts(engine, tokenizer, prompts, steps, cfg, roles, local_rewards)
+    last_step_end = time.perf_counter()
     for step, rollout in zip(steps, rollouts):
         t_score = time.perf_counter()
         rollout.advantages = group_advantages(rollout.rewards, G, cfg.loss.scale_rewards)
@@ -457,13 +463,14 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         stats = train_on_rollout(policy, optim, sched, rollout, cfg, roles)
         t_train = time.perf_counter()
         done = step + 1
-        sync = sync_weights(policy, engine) if done % cfg.train.sync_every == 0 else None
+        sync = weight_sync() if done % cfg.train.sync_every == 0 else None
         t_sync = time.perf_counter()
 
         metrics = rollout_metrics(rollout, roles, accuracy_name) | stats
         gen_tokens = metrics["completion/length"] * cfg.train.prompts_per_step * G
         seconds = rollout.seconds | {"train": t_train - t_score, "sync": t_sync - t_train}
-        metrics |= {f"time/{k}": v for k, v in seconds.items()} | {"time/step": sum(seconds.values()),
+        step_end = time.perf_counter()     # wall time per step: the phases, metrics, and the last step's logging
+        metrics |= {f"time/{k}": v for k, v in seconds.items()} | {"time/step": step_end - last_step_end,
                     "train/lr": sched.get_last_lr()[0],
                     "perf/generate_tokens_per_s": gen_tokens / seconds["generate"],
                     "perf/train_tokens_per_s": stats["train/tokens"] / (t_train - t_score),
@@ -479,6 +486,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
                                     "perf/generate_tokens_per_s", "time/step", "eval/accuracy"))
         ckpt.maybe_save(done, steps.stop, policy, optim,
                         {"scheduler": sched.state_dict(), "config": config_to_dict(cfg)})
+        last_step_end = step_end
     if steps.stop == cfg.train.steps:
         export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
         export_hf(policy, tokenizer, export_dir, roles.groups["policy"])
@@ -544,8 +552,6 @@ def main() -> None:
     elif roles.is_reward:
         serve(reward_answerer(cfg, roles, tokenizer, rows), steps, cfg.train.one_step_off)
     else:
-        if start_step > 0:
-            sync_weights(policy, engine)     # the engine loaded model.path; bring it to the checkpoint
         train_policy(cfg, roles, engine, tokenizer, rows, eval_rows, steps, ckpt, policy, optim, sched)
     close_engines(engine)                    # None on ranks without an engine
     close_dist()

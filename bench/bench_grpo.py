@@ -5,14 +5,17 @@ its phases, and each figure beside its peer measured in the same bench run, as m
     python bench/bench_grpo.py --steps 30 --no_trl --model runs/sft-tiny/hf
 
 One contender at a time, OMP_NUM_THREADS=1; figures are medians over the steps after --warmup_steps.
-- ours: train_grpo.py; phases from OUT/metrics.jsonl, peak RSS of every rank polled from /proc.
+- ours: train_grpo.py; phases from OUT/metrics.jsonl (time/step is wall clock per step, logging included, as
+  TRL's step timer sees it), peak RSS of every rank polled from /proc.
 - generation peer: a plain-process vLLM engine (fp32, eager) on the same per-step chat prompts, G repeated
-  requests each, same max_tokens, T=1, logprobs=0.
+  requests each, same max_tokens, T=1, logprobs=0, token ids only (detokenize=False, as ours).
 - step peer: TRL GRPOTrainer with HF generate in its own venv (--trl_venv): fp32, no gradient checkpointing,
   loss dapo, beta 0, our lr, betas, clipping, G, completion length, and our prompts in our order.
-- sync peers. The default layout's one policy rank reloads its own engine: no bytes cross ranks, so its peer is
-  a memcpy of the same bytes. Ours with 2 policy ranks (FSDP all-gather, then both engines reload) is set
-  against one flat gloo broadcast of the same bytes between those two ranks.
+- sync peers. The default layout's one policy rank loads its own engine: no bytes cross ranks, so its peer is
+  a memcpy of the same bytes. Ours with 2 policy ranks (one flat all-gather of the FSDP shards, then each
+  engine copies the full weights in and re-packs its linear layers) is set against one flat gloo broadcast of
+  the same bytes from rank 0 to rank 1 (a 2-process job, nothing else running); the same job also times one
+  flat all-gather of those bytes (half from each rank), the transport our sync uses.
 - held-out greedy accuracy of the start model and both final models: one vLLM evaluator, same rows and reward.
 """
 import argparse
@@ -40,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="start model (HF dir); default runs/sft-tiny/hf, built if missing")
     p.add_argument("--config", default="configs/grpo/tiny.yaml")
     p.add_argument("--no_trl", action="store_true", help="skip the TRL GRPOTrainer peer")
-    p.add_argument("--trl_venv", default="/tmp/trl-venv", help="created once (outside the repo: not git-ignored)")
+    p.add_argument("--trl_venv", default=str(REPO / ".trl-venv"), help="created once (git-ignored)")
     p.add_argument("--worker", choices=["vllm", "trl", "broadcast"], help="internal: run one peer, print JSON")
     p.add_argument("--spec", default=None, help="internal: the worker's JSON input file")
     return p.parse_args(argv)
@@ -125,7 +128,7 @@ def vllm_worker(spec: dict) -> dict:
     llm = LLM(model=spec["model"], tokenizer=spec["tokenizer"], dtype="float32", enforce_eager=True,
               kv_cache_memory_bytes=2**28, seed=0)
     rates = []
-    sample = SamplingParams(max_tokens=spec["max_tokens"], temperature=1.0, logprobs=0)
+    sample = SamplingParams(max_tokens=spec["max_tokens"], temperature=1.0, logprobs=0, detokenize=False)
     for batch in spec["batches"]:
         requests = [{"prompt_token_ids": ids} for ids in batch for _ in range(spec["G"])]
         t0 = time.perf_counter()
@@ -181,22 +184,32 @@ def trl_worker(spec: dict) -> dict:
 
 
 def broadcast_worker(spec: dict) -> dict | None:
-    """One flat gloo broadcast of a single tensor of `nbytes` from rank 0 to rank 1; the slower rank's time."""
+    """One flat gloo broadcast of `nbytes` from rank 0 to rank 1, and one flat all-gather of them (nbytes / 2
+    from each rank); the slower rank's time of each."""
     import torch
     import torch.distributed as dist
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1])
-    buf = torch.zeros(spec["nbytes"], dtype=torch.uint8)
+    full = torch.zeros(spec["nbytes"] // 2 * 2, dtype=torch.uint8)
+    half = torch.zeros(len(full) // 2, dtype=torch.uint8)
+    result = {"seconds": slowest_median(lambda: dist.broadcast(full, src=0, group=group), group),
+              "all_gather_seconds": slowest_median(lambda: dist.all_gather_single(full, half, group=group), group)}
+    dist.destroy_process_group()
+    return result if int(os.environ["RANK"]) == 0 else None
+
+
+def slowest_median(collective, group) -> float:
+    import torch
+    import torch.distributed as dist
     seconds = []
     for _ in range(30):
         dist.barrier(group)
         t0 = time.perf_counter()
-        dist.broadcast(buf, src=0, group=group)
+        collective()
         seconds.append(time.perf_counter() - t0)
     slowest = torch.tensor(seconds[5:], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    dist.destroy_process_group()
-    return {"seconds": statistics.median(slowest.tolist())} if int(os.environ["RANK"]) == 0 else None
+    return statistics.median(slowest.tolist())
 
 
 def memcpy_seconds(nbytes: int) -> float:
@@ -248,11 +261,14 @@ def compare(figure: str, ours: str, peer: str, peer_is: str, ratio: float, limit
 
 def report(r: dict, args: argparse.Namespace) -> str:
     m, m2, n, nan = r["ours"], r["ours_2policy"], args.steps, float("nan")
+    phases = sum(m[k] for k in ("time/generate", "time/score", "time/train", "time/sync"))
     peaks = " / ".join(f"{r['peaks'].get(k, nan):.2f}" for k in range(3))
     lines = [f"GRPO, {args.config}, model {r['model']}, {r['B']} prompts x G={r['G']}, max_tokens {r['C']}, "
              f"{n} steps (medians of steps {args.warmup_steps + 1}-{n}); OMP_NUM_THREADS=1, {os.cpu_count()} CPU cores",
              "", "| ours, per step | median |", "|---|---:|",
-             *(f"| {k} | {m[k]:.3f} s |" for k in ("time/generate", "time/score", "time/train", "time/sync", "time/step")),
+             *(f"| {k} | {m[k]:.3f} s |" for k in ("time/generate", "time/score", "time/train", "time/sync")),
+             f"| metrics, logging (rest of the wall-clock step) | {m['time/step'] - phases:.3f} s |",
+             f"| time/step (wall clock) | {m['time/step']:.3f} s |",
              f"| generation | {m['perf/generate_tokens_per_s']:,.0f} tokens/s |",
              f"| training (completion tokens) | {m['perf/train_tokens_per_s']:,.0f} tokens/s |",
              f"| weight sync | {m['sync/seconds'] * 1e3:.1f} ms, {m['sync/gigabytes'] * 1e3:.2f} MB, "
@@ -265,12 +281,15 @@ def report(r: dict, args: argparse.Namespace) -> str:
     gen, peer_gen = m["perf/generate_tokens_per_s"], r["vllm"]["tokens_per_s"]
     lines.append(compare("generation", f"{gen:,.0f} tok/s", f"{peer_gen:,.0f} tok/s", "standalone vLLM engine",
                          gen / peer_gen, 0.9, False))
+    mb = m2["sync/gigabytes"] * 1e3
     lines.append(compare("weight sync, 1 policy rank (default)", f"{m['sync/seconds'] * 1e3:.2f} ms",
-                         f"{r['memcpy_s'] * 1e3:.2f} ms", "memcpy of the same bytes",
+                         f"{r['memcpy_s'] * 1e3:.2f} ms", f"memcpy of the same {mb:.2f} MB (in cache)",
                          m["sync/seconds"] / r["memcpy_s"], 2, True))
-    lines.append(compare(f"weight sync, 2 policy ranks (gather {m2['sync/gather_seconds'] * 1e3:.1f} ms)",
-                         f"{m2['sync/seconds'] * 1e3:.2f} ms", f"{r['broadcast_s'] * 1e3:.2f} ms",
-                         "one flat gloo broadcast", m2["sync/seconds"] / r["broadcast_s"], 2, True))
+    lines.append(compare(f"weight sync, 2 policy ranks (pack + all-gather {m2['sync/gather_seconds'] * 1e3:.2f} ms)",
+                         f"{m2['sync/seconds'] * 1e3:.2f} ms", f"{r['broadcast']['seconds'] * 1e3:.2f} ms",
+                         f"one flat gloo broadcast of the same {mb:.2f} MB, rank 0 -> 1 (a flat all-gather of "
+                         f"them: {r['broadcast']['all_gather_seconds'] * 1e3:.2f} ms)",
+                         m2["sync/seconds"] / r["broadcast"]["seconds"], 2, True))
     acc = r["accuracy"]
     if r.get("trl"):
         lines.append(f"| peak RSS | {max(r['peaks'].values()):.2f} GB (largest rank) | {r['trl']['peak_gb']:.2f} GB "
@@ -331,8 +350,8 @@ def main() -> None:
         rows2, _ = run_ours(args, model, f"{tmp}/ours2", args.sync_steps, "--layout.policy", "2",
                             "--layout.reference", "0", "--layout.reward", "1")
         r["ours_2policy"] = medians(rows2, args.warmup_steps)
-        nbytes = int(r["ours"]["sync/gigabytes"] * 1e9)
-        r["broadcast_s"] = worker("broadcast", {"nbytes": nbytes}, launcher=torchrun(2))["seconds"]
+        nbytes = int(r["ours_2policy"]["sync/gigabytes"] * 1e9)
+        r["broadcast"] = worker("broadcast", {"nbytes": nbytes}, launcher=torchrun(2))
         r["memcpy_s"] = memcpy_seconds(nbytes)
     print("\n" + report(r, args))
     print("\nraw numbers: " + json.dumps(r, default=str))

