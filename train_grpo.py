@@ -441,9 +441,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
     eval_prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in eval_rows]
     P, G = len(roles.policy_ranks), cfg.sampling.num_generations
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=steps.start)
-    weight_sync = WeightSync(policy, engine, cfg.engine.tensor_parallel_size)
-    if steps.start > 0:
-        weight_sync()                        # the engine loaded model.path; bring it to the checkpoint
+    weight_sync = WeightSync(policy, engine, cfg.engine.tensor_parallel_size)   # engine = trainer's weights
 
     def local_rewards(rollout: Rollout):
         texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)

@@ -4,6 +4,7 @@ Every rank builds every group, in the same order (torch's `new_group` is collect
 Without torchrun the same code runs as a single process (world size 1).
 """
 
+import ctypes
 import os
 import socket
 from dataclasses import dataclass, field
@@ -78,6 +79,7 @@ def init_dist() -> Dist:
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
+        _keep_freed_memory()
     if not dist.is_initialized():
         dist.init_process_group(backend, store=_attempt_store(), rank=rank, world_size=world_size,
                                 device_id=device if device.type == "cuda" else None)
@@ -136,6 +138,19 @@ def _attempt_store() -> dist.Store:
     if agent_store and int(os.environ.get("GROUP_WORLD_SIZE", "1")) == 1:
         return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     return store
+
+
+def _keep_freed_memory() -> None:
+    """CPU tensors come from glibc malloc, which by default maps each large block fresh and hands freed heap
+    back to the OS: every training step then page-faults its activations in again (~6,900 faults and 20% of
+    an SFT step of the tiny model here). Keep freed memory for reuse instead (what tcmalloc/jemalloc do)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:                 # not glibc (macOS, musl): nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 * 2**20)      # glibc's maximum; larger blocks are still mapped
+    libc.mallopt(m_trim_threshold, 2**30)
 
 
 def _free_port() -> int:

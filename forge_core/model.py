@@ -22,7 +22,7 @@ from .ckpt import publish_dir
 from .config import ForgeError
 
 __all__ = ["ModelConfig", "FSDPConfig", "OptimConfig", "load_model", "load_tokenizer", "shard",
-           "set_gradient_sync", "build_optimizer", "optimizer_step", "export_hf", "full_state_dict"]
+           "use_onednn_linears", "set_gradient_sync", "build_optimizer", "optimizer_step", "export_hf", "full_state_dict"]
 
 
 @dataclass
@@ -36,6 +36,7 @@ class FSDPConfig:
     mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"   # auto: bf16 params on GPU, fp32 on CPU
     activation_checkpointing: bool = False
     reshard_after_forward: bool = True
+    onednn_linear: bool = True          # CPU, fp32: nn.Linear through oneDNN (about 2x torch's MKL GEMM on AMD)
 
 
 @dataclass
@@ -82,7 +83,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def shard(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Module:
-    """Activation checkpointing (optional), then fully_shard each decoder layer and the root."""
+    """oneDNN linears on CPU (optional), activation checkpointing (optional), then fully_shard each decoder
+    layer and the root."""
+    if cfg.onednn_linear and mesh.device_type == "cpu":
+        use_onednn_linears(model)
     bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and mesh.device_type == "cuda")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
@@ -95,6 +99,50 @@ def shard(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Module:
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
     return model
+
+
+class _OneDNNLinearFn(torch.autograd.Function):
+    """y = x W^T + b with forward and backward GEMMs in oneDNN. torch's fp32 CPU matmul goes to MKL, which
+    takes its AVX2 path on AMD processors; oneDNN uses AVX-512 there (measured 2.3x on this Zen 5)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _onednn_mm(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])                          # [N, out]
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _onednn_mm(grad_out, weight.t(), None)                          # [..., in]
+        if ctx.needs_input_grad[1]:
+            grad_w = _onednn_mm(grad_2d.t(), x.reshape(-1, x.shape[-1]).t(), None)   # [out, in]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_2d.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def _onednn_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class _OneDNNLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or self.weight.dtype != torch.float32:   # bf16 mixed precision: torch's own
+            return super().forward(x)
+        return _OneDNNLinearFn.apply(x, self.weight, self.bias)
+
+
+def use_onednn_linears(model: nn.Module) -> None:
+    """Swap the class of every nn.Linear for one whose GEMMs run in oneDNN; names and weights stay as they are."""
+    if not torch.backends.mkldnn.is_available():
+        return
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = _OneDNNLinear
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

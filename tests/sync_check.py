@@ -1,6 +1,7 @@
 """A torchrun program for tests/test_grpo_e2e.py: FSDP-shard the tiny model over all ranks, change its weights
 by an optimizer step, sync them into each rank's colocated vLLM engine, then check on every rank that
   - the engine's parameters equal the trainer's, bit for bit (vLLM fuses q/k/v and gate/up; we fuse too),
+    both right after the engine starts and after the step,
   - greedy generation from vLLM equals greedy generation from the trainer's weights in HF,
   - vLLM's logprobs of sampled tokens equal the trainer's recomputed logprobs.
 Writes <out>/rank<r>.json.
@@ -37,6 +38,18 @@ def fuse_like_vllm(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return fused
 
 
+def full_state(policy) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in policy.state_dict().items()}
+
+
+def mismatches(engine, policy) -> list[str]:
+    """Names of the engine tensors that differ from the trainer's in any bit (all engine tensors compared)."""
+    trainer = fuse_like_vllm(full_state(policy))
+    mine = engine_state_dict(engine)
+    assert len(mine) >= 27, f"only {len(mine)} engine tensors compared"
+    return [n for n, p in mine.items() if not torch.equal(p, trainer[n])]
+
+
 def main(model_dir: str, out_dir: str) -> None:
     roles = init_roles(Layout(policy=int(os.environ["WORLD_SIZE"]), reference=0, reward=0))
     cfg = ModelConfig(path=model_dir)
@@ -44,19 +57,20 @@ def main(model_dir: str, out_dir: str) -> None:
     policy = shard(load_model(cfg), roles.policy_mesh, FSDPConfig())
     optim, sched = build_optimizer(policy, OptimConfig(lr=1e-3), total_steps=1)
     engine = build_engine(model_dir, EngineConfig(), seed=0)
+    weight_sync = WeightSync(policy, engine)       # building it syncs: the engine computes with the trainer's weights
+    fresh_mismatched = mismatches(engine, policy)
     prompts = [chat_prompt_ids(tokenizer, p) for p in ["12+34=", "500+499=", "7+8="]]
 
     torch.manual_seed(roles.rank)   # different data on every rank: the averaged update is what FSDP makes
     loss = policy(input_ids=torch.randint(0, 300, (4, 12)), labels=torch.randint(0, 300, (4, 12))).loss
     loss.backward()
     optimizer_step(policy, optim, sched, max_grad_norm=0)
-    stats = WeightSync(policy, engine)()
+    stats = weight_sync()
 
-    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in policy.state_dict().items()}
-    trainer = fuse_like_vllm(full)
-    mine = engine_state_dict(engine)
-    mismatched = [n for n, p in mine.items() if not torch.equal(p, trainer[n])]
-    changed = not torch.equal(mine["model.norm.weight"], load_model(cfg).state_dict()["model.norm.weight"])
+    full = full_state(policy)
+    mismatched = mismatches(engine, policy)
+    changed = not torch.equal(engine_state_dict(engine)["model.norm.weight"],
+                              load_model(cfg).state_dict()["model.norm.weight"])
 
     sampling = SamplingConfig(num_generations=4, max_tokens=8)
     greedy = generate(engine, prompts, [0, 1, 2], sampling, tokenizer.pad_token_id, seed=0, greedy=True)
@@ -76,7 +90,7 @@ def main(model_dir: str, out_dir: str) -> None:
         trainer_logprobs, _ = token_logprobs(policy, sampled, temperature=1.0)
     mask = sampled.completion_mask.bool()
     gap = (trainer_logprobs - sampled.sampler_logprobs)[mask].abs().max().item()
-    result = {"mismatched": mismatched, "compared": len(mine), "vllm_greedy": vllm_greedy, "hf_greedy": hf_greedy,
+    result = {"fresh_mismatched": fresh_mismatched, "mismatched": mismatched, "vllm_greedy": vllm_greedy, "hf_greedy": hf_greedy,
               "logprob_gap": gap, "sync_bytes": stats.bytes, "changed": changed}
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / f"rank{roles.rank}.json").write_text(json.dumps(result))
