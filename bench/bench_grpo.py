@@ -7,15 +7,15 @@ its phases, and each figure beside its peer measured in the same bench run, as m
 One contender at a time, OMP_NUM_THREADS=1; figures are medians over the steps after --warmup_steps.
 - ours: train_grpo.py; phases from OUT/metrics.jsonl (time/step is wall clock per step, logging included, as
   TRL's step timer sees it), peak RSS of every rank polled from /proc.
-- generation peer: a plain-process vLLM engine (fp32, eager) on the same per-step chat prompts, G repeated
-  requests each, same max_tokens, T=1, logprobs=0, token ids only (detokenize=False, as ours).
+- generation peer: a plain-process vLLM engine (fp32, eager) on the same per-step chat prompts, one request
+  of n=G samples each, same max_tokens, T=1, logprobs=0, token ids only (detokenize=False), as ours.
 - step peer: TRL GRPOTrainer with HF generate in its own venv (--trl_venv): fp32, no gradient checkpointing,
   loss dapo, beta 0, our lr, betas, clipping, G, completion length, and our prompts in our order.
 - sync peers. The default layout's one policy rank loads its own engine: no bytes cross ranks, so its peer is
-  a memcpy of the same bytes. Ours with 2 policy ranks (one flat all-gather of the FSDP shards, then each
-  engine copies the full weights in and re-packs its linear layers) is set against one flat gloo broadcast of
-  the same bytes from rank 0 to rank 1 (a 2-process job, nothing else running); the same job also times one
-  flat all-gather of those bytes (half from each rank), the transport our sync uses.
+  a memcpy of the same bytes. Ours with 2 policy ranks (each rank broadcasts its block of one flat buffer of
+  FSDP shards, then each engine copies the full weights in) is set against one flat gloo broadcast of the
+  same bytes from rank 0 to rank 1 (a 2-process job, nothing else running); the same job also times one flat
+  all-gather of those bytes (half from each rank), the collective our broadcasts stand in for.
 - held-out greedy accuracy of the start model and both final models: one vLLM evaluator, same rows and reward.
 """
 import argparse
@@ -128,12 +128,11 @@ def vllm_worker(spec: dict) -> dict:
     llm = LLM(model=spec["model"], tokenizer=spec["tokenizer"], dtype="float32", enforce_eager=True,
               kv_cache_memory_bytes=2**28, seed=0)
     rates = []
-    sample = SamplingParams(max_tokens=spec["max_tokens"], temperature=1.0, logprobs=0, detokenize=False)
+    sample = SamplingParams(n=spec["G"], max_tokens=spec["max_tokens"], temperature=1.0, logprobs=0, detokenize=False)
     for batch in spec["batches"]:
-        requests = [{"prompt_token_ids": ids} for ids in batch for _ in range(spec["G"])]
         t0 = time.perf_counter()
-        outputs = llm.generate(requests, sample, use_tqdm=False)
-        rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - t0))
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch], sample, use_tqdm=False)
+        rates.append(sum(len(c.token_ids) for o in outputs for c in o.outputs) / (time.perf_counter() - t0))
     greedy = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in spec["eval_prompts"]], greedy, use_tqdm=False)
     correct = [addition_correct(o.outputs[0].text, {"answer": a}) for o, a in zip(outputs, spec["eval_answers"])]
@@ -285,7 +284,7 @@ def report(r: dict, args: argparse.Namespace) -> str:
     lines.append(compare("weight sync, 1 policy rank (default)", f"{m['sync/seconds'] * 1e3:.2f} ms",
                          f"{r['memcpy_s'] * 1e3:.2f} ms", f"memcpy of the same {mb:.2f} MB (in cache)",
                          m["sync/seconds"] / r["memcpy_s"], 2, True))
-    lines.append(compare(f"weight sync, 2 policy ranks (pack + all-gather {m2['sync/gather_seconds'] * 1e3:.2f} ms)",
+    lines.append(compare(f"weight sync, 2 policy ranks (pack + broadcasts {m2['sync/gather_seconds'] * 1e3:.2f} ms)",
                          f"{m2['sync/seconds'] * 1e3:.2f} ms", f"{r['broadcast']['seconds'] * 1e3:.2f} ms",
                          f"one flat gloo broadcast of the same {mb:.2f} MB, rank 0 -> 1 (a flat all-gather of "
                          f"them: {r['broadcast']['all_gather_seconds'] * 1e3:.2f} ms)",

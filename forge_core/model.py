@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 from .ckpt import publish_dir
 from .config import ForgeError
 
-__all__ = ["ModelConfig", "FSDPConfig", "OptimConfig", "load_model", "load_tokenizer", "shard",
-           "use_onednn_linears", "set_gradient_sync", "build_optimizer", "optimizer_step", "export_hf", "full_state_dict"]
+__all__ = ["ModelConfig", "FSDPConfig", "OptimConfig", "load_model", "load_tokenizer", "shard", "use_onednn_linears",
+           "set_gradient_sync", "build_optimizer", "optimizer_step", "export_hf", "full_state_dict"]
 
 
 @dataclass

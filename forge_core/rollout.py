@@ -89,26 +89,25 @@ def _engine_kwargs(model_path: str, cfg: EngineConfig, seed: int) -> dict:
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
                 kv_cache_memory_bytes=None if on_gpu else int(cfg.kv_cache_gb * 2**30),
                 logprobs_mode="processed_logprobs",   # tempered logprobs: what the trainer computes
-                enable_prefix_caching=False)
+                enable_prefix_caching=False)   # on, a weight sync would also have to reset_prefix_cache()
 
 
 def generate(engine, prompts: list[list[int]], row_ids: list[int], cfg: SamplingConfig, pad_id: int,
              seed: int, greedy: bool = False) -> Rollout:
     """G samples per prompt (1 when greedy) with their per-token logprobs, token ids only (callers decode).
     The engine samples with this process's torch RNG, seeded per call, so a resumed run draws the same
-    samples (per-request seeds would make vLLM's sampler loop over requests in Python every step)."""
+    samples (per-request seeds would make vLLM's sampler loop over requests in Python every step). One
+    request per prompt asks for its G samples (`n`): vLLM then prepares each prompt once, not G times."""
     from vllm import SamplingParams
     G = 1 if greedy else cfg.num_generations
-    params = SamplingParams(n=1, max_tokens=cfg.max_tokens, logprobs=0, detokenize=False,
+    params = SamplingParams(n=G, max_tokens=cfg.max_tokens, logprobs=0, detokenize=False,
                             temperature=0.0 if greedy else cfg.temperature,
                             top_p=1.0 if greedy else cfg.top_p, top_k=-1 if greedy else cfg.top_k)
-    requests = [{"prompt_token_ids": ids} for ids in prompts for _ in range(G)]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        outputs = engine.generate(requests, params, use_tqdm=False)
+        outputs = engine.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
     completions, logprobs, truncated = [], [], []
-    for out in outputs:
-        sample = out.outputs[0]
+    for sample in (sample for out in outputs for sample in out.outputs):
         ids = list(sample.token_ids)
         completions.append(ids)
         logprobs.append([lp[tok].logprob for lp, tok in zip(sample.logprobs, ids)])
