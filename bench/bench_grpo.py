@@ -12,10 +12,10 @@ One contender at a time, OMP_NUM_THREADS=1; figures are medians over the steps a
 - step peer: TRL GRPOTrainer with HF generate in its own venv (--trl_venv): fp32, no gradient checkpointing,
   loss dapo, beta 0, our lr, betas, clipping, G, completion length, and our prompts in our order.
 - sync peers. The default layout's one policy rank loads its own engine: no bytes cross ranks, so its peer is
-  a memcpy of the same bytes. Ours with 2 policy ranks (each rank broadcasts its block of one flat buffer of
-  FSDP shards, then each engine copies the full weights in) is set against one flat gloo broadcast of the
+  a memcpy of the same bytes. Ours with 2 policy ranks (each rank sends its block of one flat buffer of FSDP
+  shards to the other, then each engine copies the full weights in) is set against one flat gloo broadcast of the
   same bytes from rank 0 to rank 1 (a 2-process job, nothing else running); the same job also times one flat
-  all-gather of those bytes (half from each rank), the collective our broadcasts stand in for.
+  all-gather of those bytes (half from each rank), the collective our sends stand in for.
 - held-out greedy accuracy of the start model and both final models: one vLLM evaluator, same rows and reward.
 """
 import argparse
@@ -284,7 +284,7 @@ def report(r: dict, args: argparse.Namespace) -> str:
     lines.append(compare("weight sync, 1 policy rank (default)", f"{m['sync/seconds'] * 1e3:.2f} ms",
                          f"{r['memcpy_s'] * 1e3:.2f} ms", f"memcpy of the same {mb:.2f} MB (in cache)",
                          m["sync/seconds"] / r["memcpy_s"], 2, True))
-    lines.append(compare(f"weight sync, 2 policy ranks (pack + broadcasts {m2['sync/gather_seconds'] * 1e3:.2f} ms)",
+    lines.append(compare(f"weight sync, 2 policy ranks (pack + exchange {m2['sync/gather_seconds'] * 1e3:.2f} ms)",
                          f"{m2['sync/seconds'] * 1e3:.2f} ms", f"{r['broadcast']['seconds'] * 1e3:.2f} ms",
                          f"one flat gloo broadcast of the same {mb:.2f} MB, rank 0 -> 1 (a flat all-gather of "
                          f"them: {r['broadcast']['all_gather_seconds'] * 1e3:.2f} ms)",
