@@ -59,7 +59,7 @@ class WeightSync:
         with torch.no_grad():
             if self.group is not None:
                 torch._foreach_copy_(self.send_views, [t.to_local().reshape(-1) for t in self.shards])
-                for request in dist.batch_isend_irecv(self.exchange):
+                for request in dist.batch_isend_irecv(self.exchange) if self.exchange else []:   # [] on 1 rank
                     request.wait()
             gathered = time.perf_counter()
             torch._foreach_copy_(self.dst, self.src)

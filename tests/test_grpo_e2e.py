@@ -100,3 +100,11 @@ def test_reward_model_on_the_reward_ranks(tiny, tmp_path):
     metrics = read_metrics(tmp_path / "out")
     rule = metrics[1]["reward/digit_fraction"]
     assert abs(metrics[1]["reward/mean"] - rule) > 1e-4     # the model's scores moved the reward
+
+
+def test_one_rank_bf16_policy_trains_and_syncs(tiny, tmp_path):
+    """bf16 mixed precision shards the policy even on one rank (what one GPU runs): its sync has no peer."""
+    run_script("train_grpo.py", grpo_args(tiny, tmp_path, "--train.steps", "2", "--layout.reference", "0",
+                                          "--layout.reward", "0", "--fsdp.mixed_precision", "bf16"), nproc=1)
+    metrics = read_metrics(tmp_path)
+    assert metrics[2]["sync/gigabytes"] > 0 and metrics[2]["loss/logprob_gap"] < 0.05
