@@ -22,7 +22,7 @@ from .ckpt import publish_dir
 from .config import ForgeError
 
 __all__ = ["ModelConfig", "FSDPConfig", "OptimConfig", "load_model", "load_tokenizer", "shard", "use_onednn_linears",
-           "set_gradient_sync", "build_optimizer", "optimizer_step", "export_hf", "full_state_dict"]
+           "onednn_linear", "set_gradient_sync", "build_optimizer", "optimizer_step", "export_hf", "full_state_dict"]
 
 
 @dataclass
@@ -109,7 +109,7 @@ class _OneDNNLinearFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _onednn_mm(x, weight, bias)
+        return onednn_linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -117,15 +117,16 @@ class _OneDNNLinearFn(torch.autograd.Function):
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])                          # [N, out]
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = _onednn_mm(grad_out, weight.t(), None)                          # [..., in]
+            grad_x = onednn_linear(grad_out, weight.t(), None)                          # [..., in]
         if ctx.needs_input_grad[1]:
-            grad_w = _onednn_mm(grad_2d.t(), x.reshape(-1, x.shape[-1]).t(), None)   # [out, in]
+            grad_w = onednn_linear(grad_2d.t(), x.reshape(-1, x.shape[-1]).t(), None)   # [out, in]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_2d.sum(0)
         return grad_x, grad_w, grad_b
 
 
-def _onednn_mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias in oneDNN, from the weight as it is (no packed copy); no autograd."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 

