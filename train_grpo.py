@@ -387,16 +387,27 @@ def rollout_metrics(rollout: Rollout, roles: Roles, accuracy_fn: str) -> dict[st
 
 
 def evaluate(engine, tokenizer, eval_rows: list[dict], prompts: list[list[int]], cfg: GRPOConfig,
-             roles: Roles, accuracy: Callable) -> float:
-    """Held-out greedy accuracy; each policy rank takes its share of the rows."""
+             roles: Roles, accuracy: Callable) -> dict[str, float]:
+    """Held-out accuracy of greedy decoding, and of G samples per prompt at the training temperature: the
+    reward GRPO maximises, which can rise while the most likely answer (greedy) stays. Each policy rank
+    takes its share of the rows."""
     me, P = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks)
     index = list(range(me, len(eval_rows), P))
-    rollout = generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id,
-                       seed=0, greedy=True)
-    texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-    correct = sum(accuracy(t, eval_rows[i]) for t, i in zip(texts, index))
-    s = reduce_metrics({"correct": correct, "n": len(index)}, roles.groups["policy"])
-    return s["correct"] / s["n"]
+    sums = {}
+    for name, greedy in (("accuracy", True), ("accuracy_sampled", False)):
+        rollout = generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id,
+                           seed=0, greedy=greedy)
+        texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        sums[name] = sum(accuracy(t, eval_rows[i]) for t, i in zip(texts, rollout.row_ids))
+        sums[f"{name}/n"] = len(texts)
+    s = reduce_metrics(sums, roles.groups["policy"])
+    return {f"eval/{name}": s[name] / s[f"{name}/n"] for name in ("accuracy", "accuracy_sampled")}
+
+
+def describe_accuracy(start: dict[str, float], end: dict[str, float], cfg: GRPOConfig) -> str:
+    samples = f"sampled (T={cfg.sampling.temperature:g}, {cfg.sampling.num_generations} per prompt)"
+    return (f"greedy {start['eval/accuracy']:.3f} -> {end['eval/accuracy']:.3f}, "
+            f"{samples} {start['eval/accuracy_sampled']:.3f} -> {end['eval/accuracy_sampled']:.3f}")
 
 
 def scored_rollouts(engine, tokenizer, prompts, steps: range, cfg: GRPOConfig, roles: Roles,
@@ -450,7 +461,8 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
 
     start_accuracy = evaluate(engine, tokenizer, eval_rows, eval_prompts, cfg, roles, accuracy)
     accuracy_now = start_accuracy
-    log.print(f"held-out accuracy at step {steps.start}: {start_accuracy:.3f}")
+    log.print(f"held-out accuracy at step {steps.start}: {start_accuracy['eval/accuracy']:.3f} greedy, "
+              f"{start_accuracy['eval/accuracy_sampled']:.3f} sampled")
     rollouts = scored_rollouts(engine, tokenizer, prompts, steps, cfg, roles, local_rewards)
     last_step_end = time.perf_counter()
     for step, rollout in zip(steps, rollouts):
@@ -477,11 +489,12 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
             metrics |= {"sync/seconds": sync.seconds, "sync/gather_seconds": sync.gather_seconds,
                         "sync/gigabytes": sync.bytes / 1e9}
         if done == cfg.train.steps or (cfg.train.eval_every and done % cfg.train.eval_every == 0):
-            metrics["eval/accuracy"] = accuracy_now = evaluate(engine, tokenizer, eval_rows, eval_prompts, cfg, roles,
-                                                               accuracy)
+            accuracy_now = evaluate(engine, tokenizer, eval_rows, eval_prompts, cfg, roles, accuracy)
+            metrics |= accuracy_now
         if done % cfg.train.log_every == 0 or "eval/accuracy" in metrics:
             log.log(done, metrics, ("reward/mean", "reward/accuracy", "loss/kl", "completion/length",
-                                    "perf/generate_tokens_per_s", "time/step", "eval/accuracy"))
+                                    "perf/generate_tokens_per_s", "time/step", "eval/accuracy",
+                                    "eval/accuracy_sampled"))
         ckpt.maybe_save(done, steps.stop, policy, optim,
                         {"scheduler": sched.state_dict(), "config": config_to_dict(cfg)})
         last_step_end = step_end
@@ -489,7 +502,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
         export_hf(policy, tokenizer, export_dir, roles.groups["policy"])
         log.print(f"exported {export_dir}")
-    log.print(f"held-out accuracy: {start_accuracy:.3f} at step {steps.start} -> {accuracy_now:.3f} at step {steps.stop}")
+    log.print(f"held-out accuracy, step {steps.start} -> {steps.stop}: {describe_accuracy(start_accuracy, accuracy_now, cfg)}")
     log.close()
 
 

@@ -16,7 +16,8 @@ One contender at a time, OMP_NUM_THREADS=1; figures are medians over the steps a
   shards to the other, then each engine copies the full weights in) is set against one flat gloo broadcast of the
   same bytes from rank 0 to rank 1 (a 2-process job, nothing else running); the same job also times one flat
   all-gather of those bytes (half from each rank), the collective our sends stand in for.
-- held-out greedy accuracy of the start model and both final models: one vLLM evaluator, same rows and reward.
+- held-out accuracy of the start model and both final models, greedy and of G samples per prompt at T=1: one
+  vLLM evaluator, same rows and reward.
 """
 import argparse
 import json
@@ -121,7 +122,8 @@ def run_ours(args: argparse.Namespace, model: str, out_dir: str, steps: int, *ex
 
 
 def vllm_worker(spec: dict) -> dict:
-    """Standalone engine: tokens/s over the batches (G repeated requests per prompt); greedy held-out accuracy."""
+    """Standalone engine: tokens/s over the batches (one request of n=G per prompt); held-out accuracy, greedy
+    and of G samples per prompt at T=1."""
     from vllm import LLM, SamplingParams
     sys.path.insert(0, str(REPO))
     from rewards import addition_correct
@@ -133,10 +135,14 @@ def vllm_worker(spec: dict) -> dict:
         t0 = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch], sample, use_tqdm=False)
         rates.append(sum(len(c.token_ids) for o in outputs for c in o.outputs) / (time.perf_counter() - t0))
-    greedy = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in spec["eval_prompts"]], greedy, use_tqdm=False)
-    correct = [addition_correct(o.outputs[0].text, {"answer": a}) for o, a in zip(outputs, spec["eval_answers"])]
-    return {"tokens_per_s": statistics.median(rates) if rates else None, "accuracy": sum(correct) / len(correct)}
+    def accuracy(params: SamplingParams) -> float:
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in spec["eval_prompts"]], params, use_tqdm=False)
+        correct = [addition_correct(c.text, {"answer": a}) for o, a in zip(outputs, spec["eval_answers"])
+                   for c in o.outputs]
+        return sum(correct) / len(correct)
+    return {"tokens_per_s": statistics.median(rates) if rates else None,
+            "accuracy": accuracy(SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0)),
+            "accuracy_sampled": accuracy(SamplingParams(n=spec["G"], max_tokens=spec["max_tokens"], temperature=1.0))}
 
 
 def trl_worker(spec: dict) -> dict:
@@ -247,6 +253,11 @@ def ensure_model(args: argparse.Namespace) -> str:
     return "runs/sft-tiny/hf"
 
 
+def record_accuracy(r: dict, who: str, evaluated: dict) -> None:
+    for key in ("accuracy", "accuracy_sampled"):
+        r[key][who] = evaluated[key]
+
+
 def medians(rows: list[dict], warmup: int) -> dict[str, float]:
     timed = [r for r in rows if r["step"] > warmup]
     return {k: statistics.median(r[k] for r in timed if k in r) for k in PHASES if any(k in r for r in timed)}
@@ -289,12 +300,16 @@ def report(r: dict, args: argparse.Namespace) -> str:
                          f"one flat gloo broadcast of the same {mb:.2f} MB, rank 0 -> 1 (a flat all-gather of "
                          f"them: {r['broadcast']['all_gather_seconds'] * 1e3:.2f} ms)",
                          m2["sync/seconds"] / r["broadcast"]["seconds"], 2, True))
-    acc = r["accuracy"]
     if r.get("trl"):
         lines.append(f"| peak RSS | {max(r['peaks'].values()):.2f} GB (largest rank) | {r['trl']['peak_gb']:.2f} GB "
                      f"| TRL process | | | |")
-    lines.append(f"| held-out greedy accuracy after {n} steps ({acc['start']:.3f} at start) | {acc['ours']:.3f} | "
-                 f"{acc.get('trl', nan):.3f} | TRL | | | |")
+    for kind, key in (("greedy", "accuracy"), ("sampled (T=1, G per prompt)", "accuracy_sampled")):
+        ours, start, trl = r[key]["ours"], r[key]["start"], r[key].get("trl")
+        figure = f"held-out {kind} accuracy after {n} steps ({start:.3f} at start)"
+        if trl is None:
+            lines.append(f"| {figure} | {ours:.3f} | | | | | |")
+        else:
+            lines.append(compare(figure, f"{ours:.3f}", f"{trl:.3f}", "TRL", ours / max(trl, 1e-9), 1.0, False))
     return "\n".join(lines)
 
 
@@ -325,7 +340,7 @@ def main() -> None:
     evaluation = {"tokenizer": model, "max_tokens": C, "G": G, "batches": [],
                   "eval_prompts": [chat_prompt_ids(tok, r[cfg.data.prompt_field]) for r in eval_rows],
                   "eval_answers": [str(r[cfg.data.answer_field]) for r in eval_rows]}
-    r: dict = {"model": model, "B": B, "G": G, "C": C, "accuracy": {}}
+    r: dict = {"model": model, "B": B, "G": G, "C": C, "accuracy": {}, "accuracy_sampled": {}}
     with tempfile.TemporaryDirectory(prefix="bench_grpo_") as tmp:
         print(f"ours: train_grpo.py, {args.steps} steps ...", flush=True)
         rows_ours, r["peaks"] = run_ours(args, model, f"{tmp}/ours", args.steps)
@@ -333,8 +348,8 @@ def main() -> None:
         print("standalone vLLM engine ...", flush=True)
         batches = [[chat_prompt_ids(tok, row[cfg.data.prompt_field]) for row in step] for step in step_rows]
         r["vllm"] = worker("vllm", evaluation | {"model": model, "batches": batches[args.warmup_steps:]})
-        r["accuracy"]["start"] = r["vllm"]["accuracy"]
-        r["accuracy"]["ours"] = worker("vllm", evaluation | {"model": f"{tmp}/ours/hf"})["accuracy"]
+        record_accuracy(r, "start", r["vllm"])
+        record_accuracy(r, "ours", worker("vllm", evaluation | {"model": f"{tmp}/ours/hf"}))
         r["accuracy"]["ours_logged"] = rows_ours[-1].get("eval/accuracy")
         if trl_python:
             print(f"TRL GRPOTrainer, {args.steps} steps ...", flush=True)
@@ -344,7 +359,7 @@ def main() -> None:
                                       "rows": [{"prompt": row[cfg.data.prompt_field],
                                                 "answer": str(row[cfg.data.answer_field])}
                                                for step in step_rows for row in step]}, launcher=[trl_python])
-            r["accuracy"]["trl"] = worker("vllm", evaluation | {"model": r["trl"]["final"]})["accuracy"]
+            record_accuracy(r, "trl", worker("vllm", evaluation | {"model": r["trl"]["final"]}))
         print(f"ours with 2 policy ranks, {args.sync_steps} steps; flat broadcast; memcpy ...", flush=True)
         rows2, _ = run_ours(args, model, f"{tmp}/ours2", args.sync_steps, "--layout.policy", "2",
                             "--layout.reference", "0", "--layout.reward", "1")

