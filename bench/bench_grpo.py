@@ -288,6 +288,9 @@ def report(r: dict, args: argparse.Namespace) -> str:
     if r.get("trl"):
         lines.append(compare("step time", f"{m['time/step']:.3f} s", f"{r['trl']['step_s']:.3f} s",
                              "TRL 1.16 GRPOTrainer, HF generate", m["time/step"] / r["trl"]["step_s"], 1 / 3, True))
+        lines.append(f"| step time, layout 2 policy + 1 reward rank ({args.sync_steps} steps) | {m2['time/step']:.3f} s "
+                     f"| {r['trl']['step_s']:.3f} s | TRL as above: one process, so one of the 2 cores | "
+                     f"{m2['time/step'] / r['trl']['step_s']:.2f} | | |")
     gen, peer_gen = m["perf/generate_tokens_per_s"], r["vllm"]["tokens_per_s"]
     lines.append(compare("generation", f"{gen:,.0f} tok/s", f"{peer_gen:,.0f} tok/s", "standalone vLLM engine",
                          gen / peer_gen, 0.9, False))
