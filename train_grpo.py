@@ -502,7 +502,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
         export_hf(policy, tokenizer, export_dir, roles.groups["policy"])
         log.print(f"exported {export_dir}")
-    log.print(f"held-out accuracy, step {steps.start} -> {steps.stop}: {describe_accuracy(start_accuracy, accuracy_now, cfg)}")
+    log.print(f"held-out accuracy: {describe_accuracy(start_accuracy, accuracy_now, cfg)} (step {steps.start} -> {steps.stop})")
     log.close()
 
 
