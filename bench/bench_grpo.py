@@ -142,7 +142,8 @@ def vllm_worker(spec: dict) -> dict:
         return sum(correct) / len(correct)
     return {"tokens_per_s": statistics.median(rates) if rates else None,
             "accuracy": accuracy(SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0)),
-            "accuracy_sampled": accuracy(SamplingParams(n=spec["G"], max_tokens=spec["max_tokens"], temperature=1.0))}
+            "accuracy_sampled": accuracy(SamplingParams(n=spec["G"], max_tokens=spec["max_tokens"], temperature=1.0,
+                                                       seed=0))}   # the same draws whatever ran before
 
 
 def trl_worker(spec: dict) -> dict:
