@@ -9,6 +9,7 @@ One step (policy ranks):  generate G samples per prompt -> token ids out, reward
 back -> group advantages -> clipped-surrogate updates -> all-gather the new weights into the engines.
 """
 
+import gc
 import importlib
 import importlib.util
 import math
@@ -24,7 +25,7 @@ from torch import Tensor
 from forge_core.ckpt import CheckpointConfig, Checkpointer
 from forge_core.config import ForgeError, config_to_dict, load_config, run_main
 from forge_core.data import chat_prompt_ids, read_rows, require_fields, sample_indices
-from forge_core.dist import Layout, Roles, close_dist, exchange, init_roles, role_ranks
+from forge_core.dist import DistConfig, Layout, Roles, close_dist, exchange, init_roles, role_ranks
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
                               load_tokenizer, optimizer_step, set_gradient_sync, shard)
@@ -87,6 +88,7 @@ class GRPOConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path="runs/sft-tiny/hf"))
     data: PromptDataConfig = field(default_factory=PromptDataConfig)
     layout: Layout = field(default_factory=Layout)
+    dist: DistConfig = field(default_factory=DistConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     rewards: RewardConfig = field(default_factory=RewardConfig)
@@ -532,7 +534,7 @@ def check_config(cfg: GRPOConfig, world_size: int, ranks_per_node: int) -> None:
 
 def main() -> None:
     cfg = load_config(GRPOConfig)
-    roles = init_roles(cfg.layout)           # gloo+cpu or nccl+cuda; every rank builds every group, same order
+    roles = init_roles(cfg.layout, cfg.dist)     # gloo+cpu or nccl+cuda; every rank builds every group, same order
     check_config(cfg, roles.dist.world_size, roles.dist.ranks_per_node)
     load_reward_functions(cfg.rewards)       # a typo in a reward name fails here, on every rank, before any work
     rows = read_rows(cfg.data.path, cfg.data.split, cfg.data.subset)
@@ -558,6 +560,12 @@ def main() -> None:
     engine = build_engine(cfg.model.path, cfg.engine, cfg.train.seed) if roles.is_policy \
         else join_engine_groups(cfg.model.path, cfg.engine, roles.dist.local_rank)
     steps = range(start_step, min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps))
+    # Python's collector: the model, engine and data live for the whole run, so later collections skip them
+    # (freeze); vLLM makes thousands of short-lived objects per step, so young ones are collected less often.
+    # Default settings spent ~6 ms of each 0.45 s default-job step here, 1.3%.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000)
     if roles.is_reference:
         serve(reference_answerer(cfg, roles), steps, cfg.train.one_step_off)
     elif roles.is_reward:

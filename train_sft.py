@@ -18,7 +18,7 @@ from forge_core.ckpt import CheckpointConfig, Checkpointer
 from forge_core.config import ForgeError, config_to_dict, load_config, run_main
 from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, encode_sft, read_rows,
                              require_fields, sample_indices)
-from forge_core.dist import Dist, close_dist, init_dist
+from forge_core.dist import Dist, DistConfig, close_dist, init_dist
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
                               load_tokenizer, optimizer_step, set_gradient_sync, shard)
@@ -45,6 +45,7 @@ class SFTConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     out_dir: str = "runs/sft-tiny"
     export_dir: str | None = None       # final HF safetensors directory; None = <out_dir>/hf
 
@@ -145,7 +146,7 @@ def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int, d
 
 def main() -> None:
     cfg = load_config(SFTConfig)
-    d = init_dist()
+    d = init_dist(cfg.dist)
     accum = accumulation_steps(cfg.train, d.world_size)
     tokenizer = load_tokenizer(cfg.model)
     examples, eval_rows, truncated = load_examples(cfg.data, tokenizer)

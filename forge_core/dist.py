@@ -8,6 +8,7 @@ import ctypes
 import os
 import socket
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ForgeError
 
-__all__ = ["Dist", "Layout", "Roles", "init_dist", "init_roles", "role_ranks", "close_dist", "exchange"]
+__all__ = ["Dist", "DistConfig", "Layout", "Roles", "init_dist", "init_roles", "role_ranks", "close_dist", "exchange"]
+
+
+@dataclass
+class DistConfig:
+    # How long a rank may wait in a collective before the run fails. Ranks wait for one another through a
+    # held-out eval, a checkpoint or the final export (GRPO's reward and reference ranks for the policy's):
+    # torch's own defaults (gloo 30 min, NCCL 10 min) can end a large model's run there.
+    timeout_minutes: float = 30.0
 
 
 @dataclass
@@ -26,6 +35,7 @@ class Dist:
     ranks_per_node: int                 # torchrun's --nproc_per_node
     device: torch.device
     mesh: DeviceMesh                    # 1-D mesh over the whole world (SFT data parallel + FSDP)
+    timeout: timedelta                  # of every process group we create
 
     @property
     def is_rank0(self) -> bool:
@@ -67,7 +77,7 @@ class Roles:
         return self.rank in self.reward_ranks
 
 
-def init_dist() -> Dist:
+def init_dist(cfg: DistConfig = DistConfig()) -> Dist:
     """Join (or, without torchrun, create) the default process group and a world mesh."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -80,11 +90,13 @@ def init_dist() -> Dist:
     else:
         device, backend = torch.device("cpu"), "gloo"
         _tune_cpu_process()
+    timeout = timedelta(minutes=cfg.timeout_minutes)
     if not dist.is_initialized():
-        dist.init_process_group(backend, store=_attempt_store(), rank=rank, world_size=world_size,
+        dist.init_process_group(backend, store=_attempt_store(), rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     mesh = DeviceMesh(device.type, list(range(world_size)))
-    return Dist(rank, local_rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), device, mesh)
+    return Dist(rank, local_rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), device, mesh,
+                timeout)
 
 
 def role_ranks(layout: Layout, world_size: int) -> tuple[list[int], list[int], list[int]]:
@@ -99,13 +111,13 @@ def role_ranks(layout: Layout, world_size: int) -> tuple[list[int], list[int], l
     return ranks[:layout.policy], ranks[layout.policy:layout.policy + layout.reference], ranks[layout.policy + layout.reference:]
 
 
-def init_roles(layout: Layout) -> Roles:
+def init_roles(layout: Layout, cfg: DistConfig = DistConfig()) -> Roles:
     """Split the world into policy | reference | reward ranks with a group and mesh each."""
-    d = init_dist()
+    d = init_dist(cfg)
     policy, reference, reward = role_ranks(layout, d.world_size)
     roles = Roles(d, policy, reference, reward)
     for name, ranks in (("policy", policy), ("reference", reference), ("reward", reward)):
-        roles.groups[name] = dist.new_group(ranks) if ranks else None
+        roles.groups[name] = dist.new_group(ranks, timeout=d.timeout) if ranks else None   # not inherited
     if roles.is_policy:
         roles.policy_mesh = DeviceMesh.from_group(roles.groups["policy"], d.device.type)
     if roles.is_reference:

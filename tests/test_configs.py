@@ -1,10 +1,13 @@
 """Every shipped config loads (no unknown keys, every value of the right type) and fits the world its\nheader launches it on; GPU configs are checked this way without a GPU."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import REPO, script_env
 from forge_core.config import ForgeError, load_config
 from train_grpo import GRPOConfig, check_config
 from train_sft import SFTConfig, accumulation_steps
@@ -56,3 +59,17 @@ def test_wrong_literal_is_named(tmp_path):
     bad.write_text("loss:\n  loss_type: ppo\n")
     with pytest.raises(ForgeError, match=r"'loss.loss_type' expects one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', got 'ppo'"):
         load_config(GRPOConfig, ["--config", str(bad)])
+
+
+def test_dist_timeout_reaches_every_process_group():
+    """`--dist.timeout_minutes` sets the world group's timeout and the role groups' (`new_group` does not
+    inherit it: it would fall back to torch's default)."""
+    cfg = load_config(GRPOConfig, ["--config", str(CONFIGS / "grpo" / "tiny.yaml"), "--dist.timeout_minutes", "7"])
+    probe = ("import sys, torch, torch.distributed as dist; from forge_core.dist import DistConfig, Layout, init_roles\n"
+             "roles = init_roles(Layout(policy=1, reference=0, reward=0), DistConfig(float(sys.argv[1])))\n"
+             "for group in (dist.group.WORLD, roles.groups['policy']):\n"
+             "    print(group._get_backend(torch.device('cpu')).options._timeout.total_seconds())\n"
+             "dist.destroy_process_group()")
+    out = subprocess.run([sys.executable, "-c", probe, str(cfg.dist.timeout_minutes)], cwd=REPO, env=script_env(),
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["420.0", "420.0"]
