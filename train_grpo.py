@@ -25,7 +25,8 @@ from torch import Tensor
 from forge_core.ckpt import CheckpointConfig, Checkpointer
 from forge_core.config import ForgeError, config_to_dict, load_config, run_main
 from forge_core.data import chat_prompt_ids, read_rows, require_fields, sample_indices
-from forge_core.dist import DistConfig, Layout, Roles, close_dist, exchange, init_roles, role_ranks
+from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, init_roles, release, role_ranks,
+                              wait_idle)
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
                               load_tokenizer, optimizer_step, set_gradient_sync, shard)
@@ -217,18 +218,19 @@ def score(completions: list[str], rows: list[dict], functions: dict, weights: li
     return total, terms, errors
 
 
-def serve(answer: Callable[[dict], dict], steps: range, one_step_off: bool) -> None:
+def serve(answer: Callable[[dict], dict], steps: range, one_step_off: bool, roles: Roles) -> None:
     """Reference and reward ranks, once per step: token ids in (exchange 1), answers out (exchange 2).
     One step off, the answer sent at step t is the one computed for step t-1 while the policy trained."""
+    group = roles.groups["scoring"]
     ready = None
     for _ in range(len(steps) + one_step_off):
-        gathered = exchange(None)
+        gathered = exchange(None, group)
         batch = merge_rollouts(gathered) if any(p is not None for p in gathered) else None
         if one_step_off:
-            exchange(ready)
+            exchange(ready, group)
             ready = answer(batch) if batch is not None else None
         else:
-            exchange(answer(batch))
+            exchange(answer(batch), group)
 
 
 def reward_answerer(cfg: GRPOConfig, roles: Roles, tokenizer, rows: list[dict]) -> Callable[[dict], dict]:
@@ -248,11 +250,9 @@ def reward_answerer(cfg: GRPOConfig, roles: Roles, tokenizer, rows: list[dict]) 
     return answer
 
 
-def reference_answerer(cfg: GRPOConfig, roles: Roles) -> Callable[[dict], dict | None]:
+def reference_answerer(cfg: GRPOConfig, roles: Roles) -> Callable[[dict], dict]:
     """Reference ranks: the frozen initial policy (FSDP over the reference group) scores its chunk of all
     sequences; chunks are padded to equal length so every rank runs the same number of forwards."""
-    if cfg.loss.beta == 0:
-        return lambda batch: None
     model = shard(load_model(cfg.model), roles.reference_mesh, cfg.fsdp).eval()
     me, R = roles.reference_ranks.index(roles.rank), len(roles.reference_ranks)
 
@@ -298,33 +298,34 @@ def merge_rollouts(gathered: list) -> dict:
             "row_ids": [r for p in parts for r in p["row_ids"]]}
 
 
-def send_rollout(rollout: Rollout | None) -> None:
+def send_rollout(rollout: Rollout | None, roles: Roles) -> None:
     """Exchange 1, policy side: token ids out to the reward and reference ranks (None: nothing new)."""
     exchange(None if rollout is None else
              {"prompt_ids": rollout.prompt_ids, "prompt_mask": rollout.prompt_mask, "row_ids": rollout.row_ids,
-              "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask})
+              "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask},
+             roles.groups["scoring"])
 
 
 def receive_scores(rollout: Rollout | None, roles: Roles, cfg: GRPOConfig, local_rewards) -> None:
     """Exchange 2, policy side: rewards and reference logprobs for `rollout` come back and are attached."""
-    answers = exchange(None)
+    answers = exchange(None, roles.groups["scoring"])
     if rollout is None:
         return
-    offset = roles.policy_ranks.index(roles.rank) * len(rollout)      # every policy rank has the same count
-    mine = range(offset, offset + len(rollout))
-    rewards, errors, terms = torch.zeros(len(rollout)), torch.zeros(len(rollout)), {}
+    n = len(rollout)
+    offset = roles.policy_ranks.index(roles.rank) * n         # every policy rank has the same count
+    rewards, errors, terms = torch.zeros(n), torch.zeros(n), {}
     ref = torch.zeros_like(rollout.sampler_logprobs)
-    for answer in answers:
-        for k, i in enumerate(answer["index"] if answer else []):
-            if i not in mine:
-                continue
-            if "rewards" in answer:
-                rewards[i - offset] = answer["rewards"][k]
-                errors[i - offset] = answer["errors"][k]
-                for name, values in answer["terms"].items():
-                    terms.setdefault(name, torch.zeros(len(rollout)))[i - offset] = values[k]
-            else:
-                ref[i - offset] = answer["ref_logprobs"][k][:ref.shape[1]]     # merged batch may be wider
+    for answer in filter(None, answers):
+        index = torch.tensor(answer["index"], dtype=torch.long) - offset
+        mine = (index >= 0) & (index < n)
+        at = index[mine]
+        if "rewards" in answer:
+            rewards[at] = torch.tensor(answer["rewards"], dtype=torch.float32)[mine]
+            errors[at] = torch.tensor(answer["errors"], dtype=torch.float32)[mine]
+            for name, values in answer["terms"].items():
+                terms.setdefault(name, torch.zeros(n))[at] = torch.tensor(values, dtype=torch.float32)[mine]
+        else:
+            ref[at] = answer["ref_logprobs"][mine][:, :ref.shape[1]]     # the merged batch may be wider
     if not roles.reward_ranks:        # no reward ranks: rule rewards run right here
         rewards, errors, terms = local_rewards(rollout)
     rollout.rewards, rollout.reward_terms, rollout.reward_errors = rewards, terms, errors
@@ -338,15 +339,22 @@ def micro_batched_logprobs(model, part: Rollout, micro: int, temperature: float)
 
 # ---- the policy ranks: sample, learn, sync ----
 
-def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, roles: Roles) -> dict[str, float]:
-    """`num_iterations` epochs of `mini_batches` optimizer steps over this generation batch."""
+def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, roles: Roles,
+                     collect_scores: Callable[[Rollout], None]) -> dict[str, float]:
+    """`num_iterations` epochs of `mini_batches` optimizer steps over this generation batch. The reward and
+    reference ranks may still be scoring it: the first forward pass needs no scores, so it runs before
+    `collect_scores` waits for them (rewards, reference logprobs, advantages)."""
     group = roles.groups["policy"]
     world = len(roles.policy_ranks)
     mini = len(rollout) // cfg.train.mini_batches
     micro = cfg.train.micro_batch_size
+    first = None
     if cfg.loss.num_iterations > 1 or cfg.train.mini_batches > 1:   # later passes need the pre-update logprobs
         with torch.no_grad():
             rollout.old_logprobs = micro_batched_logprobs(policy, rollout, micro, cfg.sampling.temperature)
+    else:
+        first = token_logprobs(policy, rollout.select(slice(0, micro)), cfg.sampling.temperature, with_entropy=True)
+    collect_scores(rollout)
     sums = {"clipped": 0.0, "kl": 0.0, "entropy": 0.0, "tokens": 0.0, "grad_norm": 0.0, "gap": 0.0}
     for _ in range(cfg.loss.num_iterations):
         for m in range(cfg.train.mini_batches):
@@ -355,7 +363,8 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
             parts = [mb.select(slice(i, i + micro)) for i in range(0, mini, micro)]
             for k, part in enumerate(parts):
                 set_gradient_sync(policy, k == len(parts) - 1)
-                logp, entropy = token_logprobs(policy, part, cfg.sampling.temperature, with_entropy=True)
+                logp, entropy = first or token_logprobs(policy, part, cfg.sampling.temperature, with_entropy=True)
+                first = None
                 loss, stats = grpo_loss(logp, part, cfg.loss, cfg.sampling.max_tokens, len(parts),
                                         max(global_tokens, 1.0), world)
                 loss.backward()
@@ -412,20 +421,13 @@ def describe_accuracy(start: dict[str, float], end: dict[str, float], cfg: GRPOC
             f"{samples} {start['eval/accuracy_sampled']:.3f} -> {end['eval/accuracy_sampled']:.3f}")
 
 
-def scored_rollouts(engine, tokenizer, prompts, steps: range, cfg: GRPOConfig, roles: Roles,
-                    local_rewards) -> Iterator[Rollout]:
-    """This policy rank's rollouts, in step order, with rewards (and reference logprobs) attached. With
-    `one_step_off`, step t's rollout goes out before step t-1's is trained on, so it was sampled by weights
-    one update older; the truncated importance-sampling weight in `grpo_loss` corrects for that."""
+def sent_rollouts(engine, tokenizer, prompts, steps: range, cfg: GRPOConfig, roles: Roles) -> Iterator[Rollout]:
+    """This policy rank's rollouts in step order, each yielded once its token ids went out to the reward and
+    reference ranks (exchange 1); its scores come back in exchange 2, which the trainer waits for when it needs
+    them. With `one_step_off`, step t's rollout goes out before step t-1's is trained on, so it was sampled by
+    weights one update older; the truncated importance-sampling weight in `grpo_loss` corrects for that."""
     me, P = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks)
     per_rank = cfg.train.prompts_per_step // P
-
-    def scored(rollout: Rollout | None, since: float) -> Rollout | None:
-        receive_scores(rollout, roles, cfg, local_rewards)
-        if rollout is not None:
-            rollout.seconds["score"] = time.perf_counter() - since
-        return rollout
-
     waiting = None
     for step in steps:
         t0 = time.perf_counter()
@@ -434,14 +436,18 @@ def scored_rollouts(engine, tokenizer, prompts, steps: range, cfg: GRPOConfig, r
                            seed=cfg.train.seed + step * 1_000 + roles.rank)
         t1 = time.perf_counter()
         rollout.seconds = {"generate": t1 - t0}
-        send_rollout(rollout)
+        send_rollout(rollout, roles)
         ready, waiting = (waiting, rollout) if cfg.train.one_step_off else (rollout, None)
-        if scored(ready, t1) is not None:
-            yield ready
+        if ready is None:               # one step off, the first step: no scores are due, exchange 2 is empty
+            receive_scores(None, roles, cfg, local_rewards=None)
+            continue
+        ready.seconds["score"] = time.perf_counter() - t1
+        yield ready
     if waiting is not None:             # one step off: the last rollout's scores are still out
         t1 = time.perf_counter()
-        send_rollout(None)
-        yield scored(waiting, t1)
+        send_rollout(None, roles)
+        waiting.seconds["score"] = time.perf_counter() - t1
+        yield waiting
 
 
 def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_rows, steps: range,
@@ -465,14 +471,20 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
     accuracy_now = start_accuracy
     log.print(f"held-out accuracy at step {steps.start}: {start_accuracy['eval/accuracy']:.3f} greedy, "
               f"{start_accuracy['eval/accuracy_sampled']:.3f} sampled")
-    rollouts = scored_rollouts(engine, tokenizer, prompts, steps, cfg, roles, local_rewards)
-    last_step_end = time.perf_counter()
-    for step, rollout in zip(steps, rollouts):
-        t_score = time.perf_counter()
+    def collect_scores(rollout: Rollout) -> None:
+        """Exchange 2: the rollout's rewards (and reference logprobs) come in; then its group advantages."""
+        t = time.perf_counter()
+        receive_scores(rollout, roles, cfg, local_rewards)
         rollout.advantages = group_advantages(rollout.rewards, G, cfg.loss.scale_rewards)
         if cfg.loss.drop_zero_variance_groups:
             rollout.completion_mask = rollout.completion_mask * ~zero_variance_groups(rollout.rewards, G).unsqueeze(1)
-        stats = train_on_rollout(policy, optim, sched, rollout, cfg, roles)
+        rollout.seconds["score"] += time.perf_counter() - t
+
+    rollouts = sent_rollouts(engine, tokenizer, prompts, steps, cfg, roles)
+    last_step_end = time.perf_counter()
+    for step, rollout in zip(steps, rollouts):
+        t_start, sent = time.perf_counter(), rollout.seconds["score"]
+        stats = train_on_rollout(policy, optim, sched, rollout, cfg, roles, collect_scores)
         t_train = time.perf_counter()
         done = step + 1
         sync = weight_sync() if done % cfg.train.sync_every == 0 else None
@@ -480,12 +492,13 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
 
         metrics = rollout_metrics(rollout, roles, accuracy_name) | stats
         gen_tokens = metrics["completion/length"] * cfg.train.prompts_per_step * G
-        seconds = rollout.seconds | {"train": t_train - t_score, "sync": t_sync - t_train}
+        waited = rollout.seconds["score"] - sent
+        seconds = rollout.seconds | {"train": t_train - t_start - waited, "sync": t_sync - t_train}
         step_end = time.perf_counter()     # wall time per step: the phases, metrics, and the last step's logging
         metrics |= {f"time/{k}": v for k, v in seconds.items()} | {"time/step": step_end - last_step_end,
                     "train/lr": sched.get_last_lr()[0],
                     "perf/generate_tokens_per_s": gen_tokens / seconds["generate"],
-                    "perf/train_tokens_per_s": stats["train/tokens"] / (t_train - t_score),
+                    "perf/train_tokens_per_s": stats["train/tokens"] / seconds["train"],
                     "mem/peak_gb_rank0": peak_memory_gb(roles.dist.device)}
         if sync is not None:
             metrics |= {"sync/seconds": sync.seconds, "sync/gather_seconds": sync.gather_seconds,
@@ -534,7 +547,7 @@ def check_config(cfg: GRPOConfig, world_size: int, ranks_per_node: int) -> None:
 
 def main() -> None:
     cfg = load_config(GRPOConfig)
-    roles = init_roles(cfg.layout, cfg.dist)     # gloo+cpu or nccl+cuda; every rank builds every group, same order
+    roles = init_roles(cfg.layout, cfg.dist, reference_scores=cfg.loss.beta > 0)   # every rank builds every group
     check_config(cfg, roles.dist.world_size, roles.dist.ranks_per_node)
     load_reward_functions(cfg.rewards)       # a typo in a reward name fails here, on every rank, before any work
     rows = read_rows(cfg.data.path, cfg.data.split, cfg.data.subset)
@@ -566,12 +579,15 @@ def main() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000)
-    if roles.is_reference:
-        serve(reference_answerer(cfg, roles), steps, cfg.train.one_step_off)
+    if roles.is_reference and cfg.loss.beta == 0:
+        wait_idle(roles.dist, "policy_done")   # no KL term: no reference work at all
+    elif roles.is_reference:
+        serve(reference_answerer(cfg, roles), steps, cfg.train.one_step_off, roles)
     elif roles.is_reward:
-        serve(reward_answerer(cfg, roles, tokenizer, rows), steps, cfg.train.one_step_off)
+        serve(reward_answerer(cfg, roles, tokenizer, rows), steps, cfg.train.one_step_off, roles)
     else:
         train_policy(cfg, roles, engine, tokenizer, rows, eval_rows, steps, ckpt, policy, optim, sched)
+        release(roles.dist, "policy_done")
     close_engines(engine)                    # None on ranks without an engine
     close_dist()
 

@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ForgeError
 
-__all__ = ["Dist", "DistConfig", "Layout", "Roles", "init_dist", "init_roles", "role_ranks", "close_dist", "exchange"]
+__all__ = ["Dist", "DistConfig", "Layout", "Roles", "init_dist", "init_roles", "role_ranks", "close_dist", "exchange",
+           "wait_idle", "release"]
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Dist:
     device: torch.device
     mesh: DeviceMesh                    # 1-D mesh over the whole world (SFT data parallel + FSDP)
     timeout: timedelta                  # of every process group we create
+    store: dist.Store                   # the rendezvous store, where idle ranks wait (`wait_idle`)
 
     @property
     def is_rank0(self) -> bool:
@@ -91,12 +93,12 @@ def init_dist(cfg: DistConfig = DistConfig()) -> Dist:
         device, backend = torch.device("cpu"), "gloo"
         _tune_cpu_process()
     timeout = timedelta(minutes=cfg.timeout_minutes)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, store=_attempt_store(), rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
+    store = _attempt_store()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
     mesh = DeviceMesh(device.type, list(range(world_size)))
     return Dist(rank, local_rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), device, mesh,
-                timeout)
+                timeout, store)
 
 
 def role_ranks(layout: Layout, world_size: int) -> tuple[list[int], list[int], list[int]]:
@@ -111,12 +113,14 @@ def role_ranks(layout: Layout, world_size: int) -> tuple[list[int], list[int], l
     return ranks[:layout.policy], ranks[layout.policy:layout.policy + layout.reference], ranks[layout.policy + layout.reference:]
 
 
-def init_roles(layout: Layout, cfg: DistConfig = DistConfig()) -> Roles:
-    """Split the world into policy | reference | reward ranks with a group and mesh each."""
+def init_roles(layout: Layout, cfg: DistConfig = DistConfig(), reference_scores: bool = True) -> Roles:
+    """Split the world into policy | reference | reward ranks with a group and mesh each, and a `scoring`
+    group: the ranks that exchange rollouts and scores (the reference ranks only if they compute something)."""
     d = init_dist(cfg)
     policy, reference, reward = role_ranks(layout, d.world_size)
     roles = Roles(d, policy, reference, reward)
-    for name, ranks in (("policy", policy), ("reference", reference), ("reward", reward)):
+    scoring = sorted(policy + reward + (reference if reference_scores else []))
+    for name, ranks in (("policy", policy), ("reference", reference), ("reward", reward), ("scoring", scoring)):
         roles.groups[name] = dist.new_group(ranks, timeout=d.timeout) if ranks else None   # not inherited
     if roles.is_policy:
         roles.policy_mesh = DeviceMesh.from_group(roles.groups["policy"], d.device.type)
@@ -131,6 +135,16 @@ def exchange(payload, group: dist.ProcessGroup | None = None) -> list:
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, payload, group=group)
     return gathered
+
+
+def wait_idle(d: Dist, key: str) -> None:
+    """A rank with nothing to do waits for `release(d, key)` on the store, outside any collective: a collective
+    would time out (`DistConfig.timeout_minutes`) long before a long run ends."""
+    d.store.wait([key], timedelta(days=365))
+
+
+def release(d: Dist, key: str) -> None:
+    d.store.set(key, "1")
 
 
 def close_dist() -> None:

@@ -10,6 +10,7 @@ a 5 ms sync for the tiny model).
 With tensor parallelism each engine holds shards; that case goes through vLLM's `reload_weights`, which slices.
 """
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class WeightSync:
         self.model, self.engine = model, engine
         self.tensors = dict(model.named_parameters())       # full-shape (D)Tensors; a tied head appears once
         self.bytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        logging.getLogger("vllm.v1.core.block_pool").setLevel(logging.WARNING)   # it logs each cache reset
         if tensor_parallel_size == 1:
             self._plan_engine()
         self()
