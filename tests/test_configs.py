@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, script_env
+from conftest import REPO, script_command, script_env
 from forge_core.config import ForgeError, load_config
 from train_grpo import GRPOConfig, check_config
 from train_sft import SFTConfig, accumulation_steps
@@ -73,3 +73,18 @@ def test_dist_timeout_reaches_every_process_group():
     out = subprocess.run([sys.executable, "-c", probe, str(cfg.dist.timeout_minutes)], cwd=REPO, env=script_env(),
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["420.0", "420.0"]
+
+
+
+@pytest.mark.parametrize("beta, scoring", [(0.0, [0, 2]), (0.04, [0, 1, 2])])
+def test_reference_ranks_score_only_with_a_kl_term(tmp_path, beta, scoring):
+    """Token ids go out and rewards come back within the `scoring` group; with beta 0 the reference rank of a
+    policy | reference | reward layout is not in it (it has nothing to compute)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys, torch.distributed as dist\nfrom forge_core.dist import Layout, init_roles\n"
+                     "roles = init_roles(Layout(1, 1, 1), reference_scores=float(sys.argv[1]) > 0)\n"
+                     "if roles.rank == 0:\n    print(dist.get_process_group_ranks(roles.groups['scoring']))\n"
+                     "dist.destroy_process_group()\n")
+    out = subprocess.run(script_command(str(probe), [str(beta)], nproc=3), cwd=REPO, env=script_env(),
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(scoring), out
