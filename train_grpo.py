@@ -5,8 +5,9 @@ file, and data moves between roles by collectives.
     torchrun --standalone --nproc_per_node 3 train_grpo.py --config configs/grpo/tiny.yaml --loss.beta 0.04
     sbatch slurm/grpo.sh configs/grpo/tiny.yaml
 
-One step (policy ranks):  generate G samples per prompt -> token ids out, rewards (+ reference logprobs)
-back -> group advantages -> clipped-surrogate updates -> all-gather the new weights into the engines.
+One step (policy ranks):  generate G samples per prompt -> token ids out -> first forward pass while the reward
+(+ reference) ranks score -> rewards (+ reference logprobs) back -> group advantages -> clipped-surrogate updates
+-> all-gather the new weights into the engines.
 """
 
 import gc
