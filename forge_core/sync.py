@@ -67,7 +67,7 @@ class WeightSync:
         with torch.no_grad():
             requests = []
             if self.group is not None:
-                torch._foreach_copy_(self.send_views, [t.to_local().reshape(-1) for t in self.shards])
+                torch._foreach_copy_(self.send_views, self.local_shards)
                 if self.exchange:           # a one-rank group (bf16 FSDP on one device) has no peers
                     requests = dist.batch_isend_irecv(self.exchange)
             _copy_rows(self.own_copies)                     # while the peers' rows are in flight
@@ -93,6 +93,7 @@ class WeightSync:
         self.exchange = [*(dist.P2POp(dist.isend, own, group=self.group, group_peer=r) for r in peers),
                          *(dist.P2POp(dist.irecv, self.blocks[r], group=self.group, group_peer=r) for r in peers)]
         self.send_views = [own[o:o + t.to_local().numel()] for o, t in zip(offsets, self.shards)]
+        self.local_shards = [t.to_local().view(-1) for t in self.shards]   # views: the optimizer updates in place
         self.own_copies, self.peer_copies = ([], []), ([], [])     # (engine rows, source rows)
         slot = {id(t): (o, n) for t, o, n in zip(self.shards, offsets, rows)}
         for name, t in self.tensors.items():
