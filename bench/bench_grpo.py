@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 PHASE_NOTES = {"time/score": " (the policy's exchanges; the reward ranks score during its first forward)"}
+STEP_PHASES = ("time/generate", "time/score", "time/train", "time/sync")
 PHASES = ("time/generate", "time/score", "time/train", "time/sync", "time/step", "perf/generate_tokens_per_s",
           "perf/train_tokens_per_s", "sync/seconds", "sync/gather_seconds", "sync/gigabytes", "mem/peak_gb_rank0")
 
@@ -261,8 +262,11 @@ def record_accuracy(r: dict, who: str, evaluated: dict) -> None:
 
 
 def medians(rows: list[dict], warmup: int) -> dict[str, float]:
+    """Per-figure medians; `rest` is each step's wall time less its phases (medians of parts do not add up)."""
     timed = [r for r in rows if r["step"] > warmup]
-    return {k: statistics.median(r[k] for r in timed if k in r) for k in PHASES if any(k in r for r in timed)}
+    out = {k: statistics.median(r[k] for r in timed if k in r) for k in PHASES if any(k in r for r in timed)}
+    out["rest"] = statistics.median(r["time/step"] - sum(r[k] for k in STEP_PHASES) for r in timed)
+    return out
 
 
 def compare(figure: str, ours: str, peer: str, peer_is: str, ratio: float, limit: float, at_most: bool) -> str:
@@ -273,14 +277,13 @@ def compare(figure: str, ours: str, peer: str, peer_is: str, ratio: float, limit
 
 def report(r: dict, args: argparse.Namespace) -> str:
     m, m2, n, nan = r["ours"], r["ours_2policy"], args.steps, float("nan")
-    phases = sum(m[k] for k in ("time/generate", "time/score", "time/train", "time/sync"))
     peaks = " / ".join(f"{r['peaks'].get(k, nan):.2f}" for k in range(3))
     lines = [f"GRPO, {args.config}, model {r['model']}, {r['B']} prompts x G={r['G']}, max_tokens {r['C']}, "
              f"{n} steps (medians of steps {args.warmup_steps + 1}-{n}); OMP_NUM_THREADS=1, {os.cpu_count()} CPU cores",
              "", "| ours, per step | median |", "|---|---:|",
              *(f"| {k}{PHASE_NOTES.get(k, '')} | {m[k]:.3f} s |"
-               for k in ("time/generate", "time/score", "time/train", "time/sync")),
-             f"| metrics, logging (rest of the wall-clock step) | {m['time/step'] - phases:.3f} s |",
+               for k in STEP_PHASES),
+             f"| metrics, logging (rest of each wall-clock step) | {m['rest']:.3f} s |",
              f"| time/step (wall clock) | {m['time/step']:.3f} s |",
              f"| generation | {m['perf/generate_tokens_per_s']:,.0f} tokens/s |",
              f"| training (completion tokens) | {m['perf/train_tokens_per_s']:,.0f} tokens/s |",
