@@ -43,6 +43,7 @@ class WeightSync:
         self.model, self.engine = model, engine
         self.tensors = dict(model.named_parameters())       # full-shape (D)Tensors; a tied head appears once
         self.bytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        self.prefix_caching = engine.llm_engine.vllm_config.cache_config.enable_prefix_caching
         logging.getLogger("vllm.v1.core.block_pool").setLevel(logging.WARNING)   # it logs each cache reset
         if tensor_parallel_size == 1:
             self._plan_engine()
@@ -59,7 +60,8 @@ class WeightSync:
     def __call__(self) -> SyncStats:
         t0 = time.perf_counter()
         gathered = self._copy() if hasattr(self, "destinations") else self._reload()
-        self.engine.reset_prefix_cache()    # cached prompt blocks hold keys and values of the old weights
+        if self.prefix_caching and not self.engine.reset_prefix_cache():   # vLLM refuses while requests run
+            raise RuntimeError("vLLM kept its prefix cache: cached prompt blocks would hold the old weights' keys")
         return SyncStats(time.perf_counter() - t0, gathered - t0, self.bytes)
 
     def _copy(self) -> float:
