@@ -580,8 +580,8 @@ def main() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000)
-    if roles.is_reference and cfg.loss.beta == 0:
-        wait_idle(roles.dist, "policy_done")   # no KL term: no reference work at all
+    if roles.is_idle:                        # reference ranks without a KL term: no work at all
+        wait_idle(roles.dist, "policy_done")
     elif roles.is_reference:
         serve(reference_answerer(cfg, roles), steps, cfg.train.one_step_off, roles)
     elif roles.is_reward:

@@ -58,6 +58,7 @@ class Roles:
     policy_ranks: list[int]
     reference_ranks: list[int]
     reward_ranks: list[int]
+    scoring_ranks: list[int]                        # exchange rollouts and scores; the others have no work
     policy_mesh: DeviceMesh | None = None           # only on policy ranks
     reference_mesh: DeviceMesh | None = None        # only on reference ranks
     groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
@@ -77,6 +78,10 @@ class Roles:
     @property
     def is_reward(self) -> bool:
         return self.rank in self.reward_ranks
+
+    @property
+    def is_idle(self) -> bool:
+        return self.rank not in self.scoring_ranks
 
 
 def init_dist(cfg: DistConfig = DistConfig()) -> Dist:
@@ -118,8 +123,8 @@ def init_roles(layout: Layout, cfg: DistConfig = DistConfig(), reference_scores:
     group: the ranks that exchange rollouts and scores (the reference ranks only if they compute something)."""
     d = init_dist(cfg)
     policy, reference, reward = role_ranks(layout, d.world_size)
-    roles = Roles(d, policy, reference, reward)
     scoring = sorted(policy + reward + (reference if reference_scores else []))
+    roles = Roles(d, policy, reference, reward, scoring)
     for name, ranks in (("policy", policy), ("reference", reference), ("reward", reward), ("scoring", scoring)):
         roles.groups[name] = dist.new_group(ranks, timeout=d.timeout) if ranks else None   # not inherited
     if roles.is_policy:

@@ -61,30 +61,33 @@ def test_wrong_literal_is_named(tmp_path):
         load_config(GRPOConfig, ["--config", str(bad)])
 
 
-def test_dist_timeout_reaches_every_process_group():
+def run_probe(tmp_path: Path, code: str, *args: str, nproc: int | None = None) -> str:
+    """stdout of `code` run as a script of its own (under torchrun with nproc)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(code)
+    return subprocess.run(script_command(str(probe), list(args), nproc), cwd=REPO, env=script_env(),
+                          capture_output=True, text=True, check=True).stdout
+
+
+def test_dist_timeout_reaches_every_process_group(tmp_path):
     """`--dist.timeout_minutes` sets the world group's timeout and the role groups' (`new_group` does not
     inherit it: it would fall back to torch's default)."""
     cfg = load_config(GRPOConfig, ["--config", str(CONFIGS / "grpo" / "tiny.yaml"), "--dist.timeout_minutes", "7"])
-    probe = ("import sys, torch, torch.distributed as dist; from forge_core.dist import DistConfig, Layout, init_roles\n"
-             "roles = init_roles(Layout(policy=1, reference=0, reward=0), DistConfig(float(sys.argv[1])))\n"
-             "for group in (dist.group.WORLD, roles.groups['policy']):\n"
-             "    print(group._get_backend(torch.device('cpu')).options._timeout.total_seconds())\n"
-             "dist.destroy_process_group()")
-    out = subprocess.run([sys.executable, "-c", probe, str(cfg.dist.timeout_minutes)], cwd=REPO, env=script_env(),
-                         capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["420.0", "420.0"]
-
+    out = run_probe(tmp_path, "import sys, torch, torch.distributed as dist\n"
+                              "from forge_core.dist import DistConfig, Layout, init_roles\n"
+                              "roles = init_roles(Layout(policy=1, reference=0, reward=0), DistConfig(float(sys.argv[1])))\n"
+                              "for group in (dist.group.WORLD, roles.groups['policy']):\n"
+                              "    print(group._get_backend(torch.device('cpu')).options._timeout.total_seconds())\n"
+                              "dist.destroy_process_group()\n", str(cfg.dist.timeout_minutes))
+    assert out.split() == ["420.0", "420.0"]
 
 
 @pytest.mark.parametrize("beta, scoring", [(0.0, [0, 2]), (0.04, [0, 1, 2])])
 def test_reference_ranks_score_only_with_a_kl_term(tmp_path, beta, scoring):
     """Token ids go out and rewards come back within the `scoring` group; with beta 0 the reference rank of a
-    policy | reference | reward layout is not in it (it has nothing to compute)."""
-    probe = tmp_path / "probe.py"
-    probe.write_text("import sys, torch.distributed as dist\nfrom forge_core.dist import Layout, init_roles\n"
-                     "roles = init_roles(Layout(1, 1, 1), reference_scores=float(sys.argv[1]) > 0)\n"
-                     "if roles.rank == 0:\n    print(dist.get_process_group_ranks(roles.groups['scoring']))\n"
-                     "dist.destroy_process_group()\n")
-    out = subprocess.run(script_command(str(probe), [str(beta)], nproc=3), cwd=REPO, env=script_env(),
-                         capture_output=True, text=True, check=True).stdout
-    assert out.strip() == str(scoring), out
+    policy | reference | reward layout is not in it (it has nothing to compute) and is idle."""
+    out = run_probe(tmp_path, "import sys, torch.distributed as dist\nfrom forge_core.dist import Layout, init_roles\n"
+                              "roles = init_roles(Layout(1, 1, 1), reference_scores=float(sys.argv[1]) > 0)\n"
+                              "print(roles.rank, dist.get_process_group_ranks(roles.groups['scoring']), roles.is_idle)\n"
+                              "dist.destroy_process_group()\n", str(beta), nproc=3)
+    assert f"0 {scoring} False" in out and f"1 {scoring} {beta == 0}" in out, out
