@@ -167,9 +167,8 @@ def token_logprobs(model, part: Rollout, temperature: float, with_entropy: bool 
     prompt is computed once for its group (`shared_prompt_rows`), and logits only where completions are read."""
     rows = shared_prompt_rows(part)
     logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids,
-                   logits_to_keep=rows.logits_index, use_cache=False).logits           # [u, g*C, V]
-    C = part.completion_ids.shape[1]
-    logits = logits.reshape(-1, C, logits.shape[-1])[rows.sequence_index].float() / temperature   # [n, C, V]
+                   logits_to_keep=rows.logits_to_keep, use_cache=False).logits          # [u, L - P, V]
+    logits = logits.flatten(0, 1)[rows.logits_index].float() / temperature            # [n, C, V]
     logprobs = torch.log_softmax(logits, -1)
     chosen = logprobs.gather(-1, part.completion_ids.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:

@@ -138,41 +138,51 @@ def pad_right(seqs: list[list], pad, dtype=torch.long) -> tuple[Tensor, Tensor]:
 
 @dataclass
 class SharedPromptRows:
-    """A batch laid out so that each prompt is computed once for its whole group: row k holds prompt k, then
-    g completion blocks of width C, and a block mask lets each completion see only its prompt and itself.
-    Sizes: n sequences, u distinct prompts (consecutive repeats), g the largest group, L = P + g*C."""
+    """A batch laid out so that each prompt is computed once for its whole group: row k holds prompt k, then its
+    completions back to back, each only as long as it is, and a block mask lets each completion see only its
+    prompt and itself. Sizes: n sequences, u distinct prompts (consecutive repeats), P the prompt width,
+    L = P + the most completion tokens of one group."""
     input_ids: Tensor                   # [u, L]
-    position_ids: Tensor                # [u, L] each block continues its prompt's positions
+    position_ids: Tensor                # [u, L] each completion continues its prompt's positions
     attention_mask: Tensor              # [u, 1, L, L] bool, True = may attend
-    logits_index: Tensor                # [g*C] the positions whose logits predict block b's token t
-    sequence_index: Tensor              # [n] row * g + block of each sequence
+    logits_to_keep: Tensor              # [L - P] positions P-1 .. L-2, all that predict a completion token
+    logits_index: Tensor                # [n, C] where in the kept logits, flattened [u * (L - P)], the logits
+                                        # predicting token t of sequence s are (0 for padding: any finite row)
 
 
 def shared_prompt_rows(part: Rollout) -> SharedPromptRows:
-    """GRPO repeats each prompt G times; computing it once per group cuts the tokens of a forward and backward
-    from n*(P+C) to u*(P+g*C). Attention pairs grow to u*L^2, cheap while completions are short. The mask is
-    4D boolean, which the default `sdpa` attention takes as is (eager attention would add it to the scores)."""
+    """GRPO repeats each prompt G times; computing it once per group, and each completion only up to its end,
+    cuts the tokens of a forward and backward from n*(P+C) to u*P + the completion tokens (+ the padding of the
+    rows to the longest group). Attention pairs grow to u*L^2, cheap while completions are short. The mask is 4D
+    boolean, which the default `sdpa` attention takes as is (eager attention would add it to the scores)."""
     n, P = part.prompt_ids.shape
     C, device = part.completion_ids.shape[1], part.prompt_ids.device
     _, group, counts = torch.unique_consecutive(torch.cat([part.prompt_ids, part.prompt_mask], 1), dim=0,
                                                 return_inverse=True, return_counts=True)
     first = counts.cumsum(0) - counts                                   # [u] first sequence of each group
-    u, g, L = len(counts), int(counts.max()), P + int(counts.max()) * C
-    block = torch.arange(n, device=device) - first[group]               # [n] place in its group
-    ids, real = part.completion_ids.new_zeros(u, g, C), part.completion_mask.new_zeros(u, g, C)
-    ids[group, block], real[group, block] = part.completion_ids, part.completion_mask
-    prompt_mask = part.prompt_mask[first]
+    lengths = part.completion_mask.sum(1)                               # [n]
+    starts = lengths.cumsum(0) - lengths                                # [n] in all completions back to back
+    offset = starts - starts[first][group]                              # [n] in its row's completion part
+    width = max(int((offset + lengths).max()), 1)
+    u, L = len(counts), P + width
     steps = torch.arange(C, device=device)
-    positions = torch.cat([(prompt_mask.cumsum(1) - 1).clamp(min=0),
-                           (prompt_mask.sum(1, keepdim=True) + steps).repeat(1, g)], 1)
-    owner = torch.cat([torch.full((P,), -1, device=device), torch.arange(g, device=device).repeat_interleave(C)])
-    visible = torch.ones(L, L, dtype=torch.bool, device=device).tril() & \
-        ((owner[:, None] == owner[None, :]) | (owner[None, :] == -1))                     # [L query, L key]
-    key_real = torch.cat([prompt_mask, real.view(u, g * C)], 1).bool()                 # [u, L]
-    mask = (visible & key_real[:, None, :]) | torch.eye(L, dtype=torch.bool, device=device)   # pads see themselves
-    offset = (torch.arange(g, device=device)[:, None] * C + steps) * (steps > 0)     # t=0 reads the prompt's end
-    return SharedPromptRows(torch.cat([part.prompt_ids[first], ids.view(u, g * C)], 1), positions,
-                            mask.unsqueeze(1), (P - 1 + offset).view(-1), group * g + block)
+    real = part.completion_mask.bool()                                  # [n, C]
+    rows, cols = group[:, None].expand(n, C)[real], (P + offset[:, None] + steps)[real]
+    prompt_mask = part.prompt_mask[first]
+    ids, positions = part.prompt_ids.new_zeros(u, L), part.prompt_ids.new_zeros(u, L)
+    owner = torch.full((u, L), -2, device=device)                       # -1 prompt, b completion b, -2 padding
+    ids[:, :P], ids[rows, cols] = part.prompt_ids[first], part.completion_ids[real]
+    positions[:, :P] = (prompt_mask.cumsum(1) - 1).clamp(min=0)
+    positions[rows, cols] = (prompt_mask.sum(1)[group][:, None] + steps)[real]
+    owner[:, :P] = -1
+    owner[rows, cols] = (torch.arange(n, device=device) - first[group])[:, None].expand(n, C)[real]
+    key_real = torch.cat([prompt_mask.bool(), owner[:, P:] >= 0], 1)                       # [u, L]
+    visible = torch.ones(L, L, dtype=torch.bool, device=device).tril() & key_real[:, None, :] & \
+        ((owner[:, :, None] == owner[:, None, :]) | (owner[:, None, :] == -1))           # [u, L query, L key]
+    mask = visible | torch.eye(L, dtype=torch.bool, device=device)                     # pads see themselves
+    kept = torch.where(real & (steps > 0), offset[:, None] + steps, 0)   # t=0 reads the prompt's end, kept index 0
+    return SharedPromptRows(ids, positions, mask.unsqueeze(1), torch.arange(P - 1, L - 1, device=device),
+                            group[:, None] * width + kept)
 
 
 def join_engine_groups(model_path: str, cfg: EngineConfig, local_rank: int) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forge_core.rollout import Rollout
-from train_grpo import LossConfig, group_advantages, grpo_loss, kl_penalty, zero_variance_groups
+from train_grpo import LossConfig, group_advantages, grpo_loss, kl_penalty, token_logprobs, zero_variance_groups
 
 
 def test_group_advantages_by_hand():
@@ -78,3 +78,31 @@ def test_micro_batch_and_rank_scaling():
     cfg.loss_type = "bnpo"
     spread, _ = grpo_loss(logp, mb, cfg, 2, num_micro=2, global_tokens=8, world=4)
     assert spread.item() == pytest.approx(one.item() / 2)
+
+
+def test_token_logprobs_with_shared_prompts_equal_one_sequence_at_a_time():
+    """The trainer computes each prompt once per group and packs the group's completions by their lengths; the
+    logprobs and entropies must be those of each sequence run alone (left-padded prompts, ragged completions)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    completions = [[11, 12, 13], [14], [15, 16, 17, 18, 19], [20, 21], [22, 23], [24]]
+    group_of = [0, 0, 0, 1, 1, 1]
+    P, C = 4, 5
+    prompt_ids = torch.tensor([[0] * (P - len(prompts[g])) + prompts[g] for g in group_of])
+    prompt_mask = torch.tensor([[0] * (P - len(prompts[g])) + [1] * len(prompts[g]) for g in group_of])
+    completion_ids = torch.tensor([c + [0] * (C - len(c)) for c in completions])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (C - len(c)) for c in completions])
+    part = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, torch.zeros(6, C),
+                   torch.zeros(6, dtype=torch.bool), list(range(6)))
+    with torch.no_grad():
+        logp, entropy = token_logprobs(model, part, temperature=0.7, with_entropy=True)
+        for s, (g, c) in enumerate(zip(group_of, completions)):
+            alone = torch.log_softmax(model(torch.tensor([prompts[g] + c])).logits[0].float() / 0.7, -1)
+            alone = alone[len(prompts[g]) - 1:-1]                                   # [len(c), V]
+            want = alone.gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1)
+            torch.testing.assert_close(logp[s, :len(c)], want, atol=1e-5, rtol=0)
+            torch.testing.assert_close(entropy[s, :len(c)], -(alone.exp() * alone).sum(-1), atol=1e-5, rtol=0)
+    assert torch.isfinite(logp).all() and torch.isfinite(entropy).all()
