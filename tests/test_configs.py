@@ -88,6 +88,7 @@ def test_reference_ranks_score_only_with_a_kl_term(tmp_path, beta, scoring):
     policy | reference | reward layout is not in it (it has nothing to compute) and is idle."""
     out = run_probe(tmp_path, "import sys, torch.distributed as dist\nfrom forge_core.dist import Layout, init_roles\n"
                               "roles = init_roles(Layout(1, 1, 1), reference_scores=float(sys.argv[1]) > 0)\n"
-                              "print(roles.rank, dist.get_process_group_ranks(roles.groups['scoring']), roles.is_idle)\n"
+                              "ranks = dist.get_process_group_ranks(roles.groups['scoring'])\n"
+                              "sys.stdout.write(f'{roles.rank} {ranks} {roles.is_idle}\\n')   # one write: 3 ranks share the pipe\n"
                               "dist.destroy_process_group()\n", str(beta), nproc=3)
     assert f"0 {scoring} False" in out and f"1 {scoring} {beta == 0}" in out, out
