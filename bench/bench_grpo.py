@@ -15,8 +15,8 @@ One contender at a time, OMP_NUM_THREADS=1; figures are medians over the steps a
   a memcpy of the same bytes. Ours with 2 policy ranks (each rank sends its block of one flat buffer of FSDP
   shards to the other, then each engine copies the full weights in) is set against one flat gloo broadcast of the
   same bytes from rank 0 to rank 1 (a 2-process job, nothing else running), timed as the sync meets it in a
-  step: each time after the caches were filled with other data and the sender wrote the bytes, as a training
-  pass and an optimizer step do (also printed: the same broadcast back to back, all in cache); the same job
+  step: each time after 4x the last-level cache of other data was read and the sender wrote the bytes, as a
+  training pass and an optimizer step do (also printed: the same broadcast back to back, all in cache); the same job
   times one flat all-gather of those bytes (half from each rank), the collective our sends stand in for.
 - held-out accuracy of the start model and both final models, greedy and of G samples per prompt at T=1: one
   vLLM evaluator, same rows and reward.
@@ -197,19 +197,19 @@ def trl_worker(spec: dict) -> dict:
 def broadcast_worker(spec: dict) -> dict | None:
     """One flat gloo broadcast of `nbytes` from rank 0 to rank 1, and one flat all-gather of them (nbytes / 2
     from each rank); the slower rank's time of each. Timed as a sync meets them in a step (the training pass has
-    filled the caches with other data, the optimizer has just written the bytes to send) and, for reference,
-    back to back in a hot loop."""
+    filled the caches with other data: here read, so no dirty lines to write back; the optimizer has just written
+    the bytes to send) and, for reference, back to back in a hot loop."""
     import torch
     import torch.distributed as dist
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1])
     full = torch.zeros(spec["nbytes"] // 2 * 2, dtype=torch.uint8)
     half = torch.zeros(len(full) // 2, dtype=torch.uint8)
-    other_data = torch.zeros(4 * CACHE_BYTES, dtype=torch.uint8)
+    other_data = torch.ones(4 * CACHE_BYTES, dtype=torch.uint8)      # real pages (zeros could all map one)
     sender = int(os.environ["RANK"]) == 0
 
     def as_in_a_step(sent: torch.Tensor):
-        return lambda: (other_data.add_(1), sent.add_(0))
+        return lambda: (other_data.max(), sent.add_(0))
 
     result = {"seconds": slowest_median(lambda: dist.broadcast(full, src=0, group=group), group,
                                         as_in_a_step(full if sender else full[:0])),
