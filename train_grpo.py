@@ -164,16 +164,17 @@ def grpo_loss(logp: Tensor, mb: Rollout, cfg: LossConfig, max_tokens: int, num_m
 
 def token_logprobs(model, part: Rollout, temperature: float, with_entropy: bool = False):
     """Log-probabilities [n, C] of the completion tokens under `model` (and the entropy of each step). Each
-    prompt is computed once for its group (`shared_prompt_rows`), and logits only where completions are read."""
+    prompt is computed once for its group (`shared_prompt_rows`), logits only where completions are read, and
+    the softmax over the vocabulary once per position before the tokens' values are picked out."""
     rows = shared_prompt_rows(part)
     logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids,
                    logits_to_keep=rows.logits_to_keep, use_cache=False).logits          # [u, L - P, V]
-    logits = logits.flatten(0, 1)[rows.logits_index].float() / temperature            # [n, C, V]
-    logprobs = torch.log_softmax(logits, -1)
-    chosen = logprobs.gather(-1, part.completion_ids.unsqueeze(-1)).squeeze(-1)
+    logprobs = torch.log_softmax(logits.float() / temperature, -1).flatten(0, 1)     # [u * (L - P), V]
+    chosen = logprobs[rows.logits_index, part.completion_ids]                         # [n, C]
     if not with_entropy:
         return chosen, None
-    return chosen, -(logprobs.exp() * logprobs).sum(-1).detach()
+    with torch.no_grad():
+        return chosen, -(logprobs.exp() * logprobs).sum(-1)[rows.logits_index]
 
 
 # ---- roles: the reward and reference ranks answer the policy ranks ----
