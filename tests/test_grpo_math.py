@@ -80,29 +80,62 @@ def test_micro_batch_and_rank_scaling():
     assert spread.item() == pytest.approx(one.item() / 2)
 
 
+PROMPTS = [[5, 6, 7, 8], [9, 10]]
+COMPLETIONS = [[11, 12, 13], [14], [15, 16, 17, 18, 19], [20, 21], [22, 23], [24]]
+GROUP_OF = [0, 0, 0, 1, 1, 1]
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def ragged_rollout() -> Rollout:
+    """Two groups of 3: left-padded prompts of 4 and 2 tokens, completions of 1-5 tokens."""
+    P, C = 4, 5
+    prompt_ids = torch.tensor([[0] * (P - len(PROMPTS[g])) + PROMPTS[g] for g in GROUP_OF])
+    prompt_mask = torch.tensor([[0] * (P - len(PROMPTS[g])) + [1] * len(PROMPTS[g]) for g in GROUP_OF])
+    completion_ids = torch.tensor([c + [0] * (C - len(c)) for c in COMPLETIONS])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (C - len(c)) for c in COMPLETIONS])
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, torch.zeros(6, C),
+                   torch.zeros(6, dtype=torch.bool), list(range(6)))
+
+
 def test_token_logprobs_with_shared_prompts_equal_one_sequence_at_a_time():
     """The trainer computes each prompt once per group and packs the group's completions by their lengths; the
     logprobs and entropies must be those of each sequence run alone (left-padded prompts, ragged completions)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
-    prompts = [[5, 6, 7, 8], [9, 10]]
-    completions = [[11, 12, 13], [14], [15, 16, 17, 18, 19], [20, 21], [22, 23], [24]]
-    group_of = [0, 0, 0, 1, 1, 1]
-    P, C = 4, 5
-    prompt_ids = torch.tensor([[0] * (P - len(prompts[g])) + prompts[g] for g in group_of])
-    prompt_mask = torch.tensor([[0] * (P - len(prompts[g])) + [1] * len(prompts[g]) for g in group_of])
-    completion_ids = torch.tensor([c + [0] * (C - len(c)) for c in completions])
-    completion_mask = torch.tensor([[1] * len(c) + [0] * (C - len(c)) for c in completions])
-    part = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, torch.zeros(6, C),
-                   torch.zeros(6, dtype=torch.bool), list(range(6)))
+    model, part = tiny_llama(), ragged_rollout()
     with torch.no_grad():
         logp, entropy = token_logprobs(model, part, temperature=0.7, with_entropy=True)
-        for s, (g, c) in enumerate(zip(group_of, completions)):
-            alone = torch.log_softmax(model(torch.tensor([prompts[g] + c])).logits[0].float() / 0.7, -1)
-            alone = alone[len(prompts[g]) - 1:-1]                                   # [len(c), V]
+        for s, (g, c) in enumerate(zip(GROUP_OF, COMPLETIONS)):
+            alone = torch.log_softmax(model(torch.tensor([PROMPTS[g] + c])).logits[0].float() / 0.7, -1)
+            alone = alone[len(PROMPTS[g]) - 1:-1]                                   # [len(c), V]
             want = alone.gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1)
             torch.testing.assert_close(logp[s, :len(c)], want, atol=1e-5, rtol=0)
             torch.testing.assert_close(entropy[s, :len(c)], -(alone.exp() * alone).sum(-1), atol=1e-5, rtol=0)
     assert torch.isfinite(logp).all() and torch.isfinite(entropy).all()
+
+
+def test_a_dropped_group_leaves_the_loss_not_the_layout():
+    """Dynamic sampling drops zero-variance groups from the loss only: every sequence keeps its logprobs (the
+    trainer lays completions out as generated, not as the loss counts them: laid out as empty, a dropped
+    sequence would read logits of the wrong positions), and the loss is the kept group's alone."""
+    model, part = tiny_llama(), ragged_rollout()
+    with torch.no_grad():
+        before = token_logprobs(model, part, temperature=1.0)[0]
+    part.kept = torch.tensor([True] * 3 + [False] * 3)
+    logp = token_logprobs(model, part, temperature=1.0)[0]
+    assert torch.equal(logp.detach(), before)
+    part.advantages = torch.tensor([1.0, -1.0, 0.5, 0.0, 0.0, 0.0])
+    part.old_logprobs = logp.detach() + torch.tensor([0.1] * 3 + [2.0] * 3).unsqueeze(1)
+    part.ref_logprobs = logp.detach() + torch.tensor([0.2] * 3 + [-3.0] * 3).unsqueeze(1)
+    cfg = LossConfig(beta=0.04)
+    tokens = float(part.loss_mask().sum())
+    loss, _ = grpo_loss(logp, part, cfg, max_tokens=5, num_micro=1, global_tokens=tokens, world=1)
+    kept_only, _ = grpo_loss(logp[:3], part.select(slice(0, 3)), cfg, max_tokens=5, num_micro=1,
+                             global_tokens=tokens, world=1)
+    torch.testing.assert_close(loss, kept_only)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
