@@ -186,9 +186,9 @@ def shared_prompt_rows(part: Rollout) -> SharedPromptRows:
     visible = torch.ones(L, L, dtype=torch.bool, device=device).tril() & key_real[:, None, :] & \
         ((owner[:, :, None] == owner[:, None, :]) | (owner[:, None, :] == -1))           # [u, L query, L key]
     mask = visible | torch.eye(L, dtype=torch.bool, device=device)                     # pads see themselves
-    kept = torch.where(real & (steps > 0), offset[:, None] + steps, 0)   # t=0 reads the prompt's end, kept index 0
+    column = torch.where(real & (steps > 0), offset[:, None] + steps, 0)  # of the kept logits; t=0: the prompt's end
     return SharedPromptRows(ids, positions, mask.unsqueeze(1), torch.arange(P - 1, L - 1, device=device),
-                            group[:, None] * width + kept)
+                            group[:, None] * width + column)
 
 
 def join_engine_groups(model_path: str, cfg: EngineConfig, local_rank: int) -> None:
