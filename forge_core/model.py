@@ -119,10 +119,18 @@ class _OneDNNLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = onednn_linear(grad_out, weight.t(), None)                          # [..., in]
         if ctx.needs_input_grad[1]:
-            grad_w = onednn_linear(grad_2d.t(), x.reshape(-1, x.shape[-1]).t(), None)   # [out, in]
+            grad_w = _weight_grad(grad_2d, x.reshape(-1, x.shape[-1]))                  # [out, in]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_2d.sum(0)
         return grad_x, grad_w, grad_b
+
+
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad^T x for grad [N, out] and x [N, in]. oneDNN copies its left operand into transposed order first:
+    the narrower of the two goes there (for an up-projection that is x, a quarter of grad's bytes)."""
+    if grad.shape[1] > x.shape[1]:
+        return onednn_linear(x.t(), grad.t(), None).t()
+    return onednn_linear(grad.t(), x.t(), None)
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
