@@ -121,7 +121,7 @@ def generate(engine, prompts: list[list[int]], row_ids: list[int], cfg: Sampling
         completions.append(ids)
         logprobs.append([lp[tok].logprob for lp, tok in zip(sample.logprobs, ids)])
         truncated.append(sample.finish_reason == "length")
-    prompt_ids, prompt_mask = pad_left([ids for ids in prompts for _ in range(G)], pad_id)
+    prompt_ids, prompt_mask = (t.repeat_interleave(G, 0) for t in pad_left(prompts, pad_id))
     completion_ids, completion_mask = pad_right(completions, pad_id)    # C = this batch's longest completion
     sampler_logprobs, _ = pad_right(logprobs, 0.0, dtype=torch.float32)
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs,
