@@ -8,7 +8,8 @@ One contender at a time, OMP_NUM_THREADS=1; figures are medians over the steps a
 - ours: train_grpo.py; phases from OUT/metrics.jsonl (time/step is wall clock per step, logging included, as
   TRL's step timer sees it), peak RSS of every rank polled from /proc.
 - generation peer: a plain-process vLLM engine (fp32, eager) on the same per-step chat prompts, one request
-  of n=G samples each, same max_tokens, KV block size, T=1, logprobs=0, token ids only (detokenize=False), as ours.
+  of n=G samples each, same max_tokens, KV block size, max_num_seqs, T=1, logprobs=0, token ids only
+  (detokenize=False), as ours.
 - step peer: TRL GRPOTrainer with HF generate in its own venv (--trl_venv): fp32, no gradient checkpointing,
   loss dapo, beta 0, our lr, betas, clipping, G, completion length, and our prompts in our order.
 - sync peers. The default layout's one policy rank loads its own engine: no bytes cross ranks, so its peer is
@@ -133,7 +134,8 @@ def vllm_worker(spec: dict) -> dict:
     sys.path.insert(0, str(REPO))
     from rewards import addition_correct
     llm = LLM(model=spec["model"], tokenizer=spec["tokenizer"], dtype="float32", enforce_eager=True,
-              kv_cache_memory_bytes=2**28, seed=0, block_size=spec["block_size"])
+              kv_cache_memory_bytes=2**28, seed=0, block_size=spec["block_size"],
+              max_num_seqs=spec["max_num_seqs"])
     rates = []
     sample = SamplingParams(n=spec["G"], max_tokens=spec["max_tokens"], temperature=1.0, logprobs=0, detokenize=False)
     for batch in spec["batches"]:
@@ -364,6 +366,7 @@ def main() -> None:
     eval_rows = read_rows(cfg.data.eval_path, cfg.data.eval_split, cfg.data.subset)[:cfg.data.eval_rows]
     step_rows = [[rows[i] for i in sample_indices(s, B, len(rows), cfg.train.seed)] for s in range(args.steps)]
     evaluation = {"tokenizer": model, "max_tokens": C, "G": G, "batches": [], "block_size": cfg.engine.block_size,
+                  "max_num_seqs": cfg.engine.max_num_seqs,
                   "eval_prompts": [chat_prompt_ids(tok, r[cfg.data.prompt_field]) for r in eval_rows],
                   "eval_answers": [str(r[cfg.data.answer_field]) for r in eval_rows]}
     r: dict = {"model": model, "B": B, "G": G, "C": C, "accuracy": {}, "accuracy_sampled": {}}

@@ -25,6 +25,7 @@ class EngineConfig:
     prefix_caching: bool = True         # the G samples of a prompt share its KV blocks (computed once)
     block_size: int | None = None       # KV-cache block in tokens, what prefix caching shares; None = vLLM's
                                         # default (16 on GPU, 128 on CPU, where it must be a multiple of 32)
+    max_num_seqs: int | None = None     # sequences an engine step runs at once; None = vLLM's default (CPU: 256)
 
 
 @dataclass
@@ -98,7 +99,8 @@ def _engine_kwargs(model_path: str, cfg: EngineConfig, seed: int) -> dict:
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
                 kv_cache_memory_bytes=None if on_gpu else int(cfg.kv_cache_gb * 2**30),
                 logprobs_mode="processed_logprobs",   # tempered logprobs: what the trainer computes
-                enable_prefix_caching=cfg.prefix_caching, block_size=cfg.block_size)   # WeightSync resets the cache
+                enable_prefix_caching=cfg.prefix_caching,    # WeightSync resets the cache
+                block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs)
 
 
 def generate(engine, prompts: list[list[int]], row_ids: list[int], cfg: SamplingConfig, pad_id: int,

@@ -92,3 +92,13 @@ def test_reference_ranks_score_only_with_a_kl_term(tmp_path, beta, scoring):
                               "sys.stdout.write(f'{roles.rank} {ranks} {roles.is_idle}\\n')   # one write: 3 ranks share the pipe\n"
                               "dist.destroy_process_group()\n", str(beta), nproc=3)
     assert f"0 {scoring} False" in out and f"1 {scoring} {beta == 0}" in out, out
+
+
+def test_engine_settings_reach_vllm(tiny):
+    """The tiny job's KV block size and wave size are what vLLM's cache and scheduler are built with."""
+    from vllm.engine.arg_utils import EngineArgs
+    from forge_core.rollout import _engine_kwargs
+    cfg = load_config(GRPOConfig, ["--config", str(CONFIGS / "grpo" / "tiny.yaml")])
+    config = EngineArgs(**_engine_kwargs(str(tiny / "init"), cfg.engine, seed=0)).create_engine_config()
+    assert config.cache_config.block_size == cfg.engine.block_size == 32
+    assert config.scheduler_config.max_num_seqs == cfg.engine.max_num_seqs == 512
