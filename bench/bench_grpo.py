@@ -130,6 +130,7 @@ def run_ours(args: argparse.Namespace, model: str, out_dir: str, steps: int, *ex
 def vllm_worker(spec: dict) -> dict:
     """Standalone engine: tokens/s over the batches (one request of n=G per prompt); held-out accuracy, greedy
     and of G samples per prompt at T=1."""
+    import torch
     from vllm import LLM, SamplingParams
     sys.path.insert(0, str(REPO))
     from rewards import addition_correct
@@ -143,14 +144,16 @@ def vllm_worker(spec: dict) -> dict:
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch], sample, use_tqdm=False)
         rates.append(sum(len(c.token_ids) for o in outputs for c in o.outputs) / (time.perf_counter() - t0))
     def accuracy(params: SamplingParams) -> float:
+        # the same draws whatever ran before; the engine samples with torch's RNG, as ours does (a per-request
+        # seed fails on CPU once vLLM splits a prefill across steps: "CPU Generator does not use offset")
+        torch.manual_seed(0)
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in spec["eval_prompts"]], params, use_tqdm=False)
         correct = [addition_correct(c.text, {"answer": a}) for o, a in zip(outputs, spec["eval_answers"])
                    for c in o.outputs]
         return sum(correct) / len(correct)
     return {"tokens_per_s": statistics.median(rates) if rates else None,
             "accuracy": accuracy(SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0)),
-            "accuracy_sampled": accuracy(SamplingParams(n=spec["G"], max_tokens=spec["max_tokens"], temperature=1.0,
-                                                       seed=0))}   # the same draws whatever ran before
+            "accuracy_sampled": accuracy(SamplingParams(n=spec["G"], max_tokens=spec["max_tokens"], temperature=1.0))}
 
 
 def trl_worker(spec: dict) -> dict:
