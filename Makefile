@@ -46,3 +46,4 @@ bench: setup artifacts/tiny/init/config.json
 	$(BIN)/pip install -q -e ".[bench]"
 	$(BIN)/python bench/bench_sft.py
 	$(BIN)/python bench/bench_grpo.py
+	$(BIN)/python bench/bench_gemm.py

@@ -27,3 +27,12 @@ def test_grpo_bench_prints_its_tables(tiny, tmp_path):
     assert raw["ours"]["time/step"] > 0 and raw["vllm"]["tokens_per_s"] > 0 and raw["broadcast"]["seconds"] > 0
     for key in ("accuracy", "accuracy_sampled"):
         assert 0 <= raw[key]["start"] <= 1 and 0 <= raw[key]["ours"] <= 1
+
+
+def test_gemm_bench_prints_every_linear(tiny):
+    proc = subprocess.run([sys.executable, "bench/bench_gemm.py", "--model", str(tiny / "init"), "--tokens", "64"],
+                          cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "| 64 |" in line]
+    assert [row.split()[1] for row in rows] == ["qkv", "o", "gate_up", "down", "lm_head"]
+    assert all(float(cell) > 0 for row in rows for cell in row.strip("| ").split(" | ")[2:]), rows
