@@ -36,7 +36,7 @@ class FSDPConfig:
     mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"   # auto: bf16 params on GPU, fp32 on CPU
     activation_checkpointing: bool = False
     reshard_after_forward: bool = True
-    onednn_linear: bool = True          # CPU, fp32: nn.Linear through oneDNN (about 2x torch's MKL GEMM on AMD)
+    onednn_linear: bool = True          # CPU, fp32: nn.Linear through oneDNN (2.3x MKL on AVX-512 Zen 5; same on AVX2)
 
 
 @dataclass
