@@ -2,12 +2,10 @@
 benchmark is how the issue's targets are measured, and a crash in one of its workers went unseen once."""
 
 import json
-import subprocess
-import sys
 
 import yaml
 
-from conftest import REPO, script_env
+from conftest import REPO, run_script
 
 
 def test_grpo_bench_prints_its_tables(tiny, tmp_path):
@@ -15,11 +13,8 @@ def test_grpo_bench_prints_its_tables(tiny, tmp_path):
     config["data"] |= {"path": str(tiny / "data" / "train.jsonl"), "eval_path": str(tiny / "data" / "eval.jsonl"),
                        "eval_rows": 64}
     (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(config))
-    proc = subprocess.run([sys.executable, "bench/bench_grpo.py", "--config", str(tmp_path / "grpo.yaml"),
-                           "--model", str(tiny / "init"), "--no_trl", "--steps", "4", "--warmup_steps", "1",
-                           "--sync_steps", "4"], cwd=REPO, env=script_env(), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_script("bench/bench_grpo.py", ["--config", str(tmp_path / "grpo.yaml"), "--model", str(tiny / "init"),
+                                              "--no_trl", "--steps", "4", "--warmup_steps", "1", "--sync_steps", "4"])
     for row in ("| time/step (wall clock) |", "| generation |", "| weight sync, 2 policy ranks",
                 "| held-out sampled (T=1, G per prompt) accuracy after 4 steps"):
         assert row in proc.stdout, row
@@ -30,9 +25,7 @@ def test_grpo_bench_prints_its_tables(tiny, tmp_path):
 
 
 def test_gemm_bench_prints_every_linear(tiny):
-    proc = subprocess.run([sys.executable, "bench/bench_gemm.py", "--model", str(tiny / "init"), "--tokens", "64"],
-                          cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script("bench/bench_gemm.py", ["--model", str(tiny / "init"), "--tokens", "64"], timeout=300)
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "| 64 |" in line]
     assert [row.split()[1] for row in rows] == ["qkv", "o", "gate_up", "down", "lm_head"]
     assert all(float(cell) > 0 for row in rows for cell in row.strip("| ").split(" | ")[2:]), rows
