@@ -4,17 +4,23 @@
 
 Unknown keys and wrong types are errors that name the file and the key. User mistakes raise `ForgeError`;
 `run_main` turns one into a single line and exit code 2 instead of a traceback on every rank.
+
+Pydantic checks the YAML against the dataclass tree, strict and in JSON mode (its lax mode takes "0.1" for a
+float, True for an int and 1 for a bool; its strict Python mode takes dataclass instances only, not mappings);
+tyro's `default=` checks nothing (a wrong type is a warning, then used as given). `_describe` words pydantic's
+first error as one line: the dotted key, the field's type, the YAML's value, or for an unknown key the closest one.
 """
 
 import dataclasses
 import difflib
+import json
 import os
 import sys
-import types
 import typing
 from pathlib import Path
-from typing import Any, Callable, Literal, TypeVar, Union
+from typing import Any, Callable, Literal, TypeVar
 
+import pydantic
 import tyro
 import yaml
 
@@ -81,70 +87,41 @@ def _from_yaml(cls: type[T], path: Path) -> T:
         raise ForgeError(f"config error: {path}: not valid YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(raw, dict):
         raise ForgeError(f"config error: {path}: the top level must be a mapping of sections")
-    return _build(cls, raw, path, prefix="")
+    # the nested stdlib dataclasses inherit this wrapper's config (TypeAdapter(cls, config=...) refuses a dataclass)
+    root = pydantic.create_model("YAMLConfig", config=(cls, ...),
+                                 __config__=pydantic.ConfigDict(extra="forbid", strict=True))
+    # a section the YAML gives keeps the script's defaults for the keys it leaves out (GRPO's optim.lr is not
+    # OptimConfig's): the YAML is laid over the whole default tree before it is checked
+    merged = _deep_merge(config_to_dict(cls()), raw)
+    try:   # YAML's dates and timestamps, which JSON has no type for, arrive as their text
+        return root.model_validate_json(json.dumps({"config": merged}, default=str)).config
+    except pydantic.ValidationError as err:
+        raise ForgeError(f"config error: {path}: {_describe(cls, merged, err.errors()[0]['loc'][1:])}") from None
 
 
-def _build(cls: type[T], raw: dict, path: Path, prefix: str) -> T:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for key, value in raw.items():
-        dotted = f"{prefix}{key}"
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f" (known: {', '.join(fields)})"
-            raise ForgeError(f"config error: {path}: unknown key '{dotted}'{hint}")
-        kind = hints[key]
-        if dataclasses.is_dataclass(kind):
-            if not isinstance(value, dict):
-                raise ForgeError(f"config error: {path}: '{dotted}' must be a mapping, got {value!r}")
-            values[key] = _build(kind, value, path, prefix=f"{dotted}.")
-        else:
-            values[key] = _check_type(value, kind, path, dotted)
-    return dataclasses.replace(cls(), **values)
+def _deep_merge(base: dict, override: dict) -> dict:
+    return {**base, **{k: _deep_merge(base[k], v) if isinstance(base.get(k), dict) and isinstance(v, dict) else v
+                       for k, v in override.items()}}
 
 
-def _check_type(value: Any, kind: Any, path: Path, dotted: str) -> Any:
-    ok, converted = _matches(value, kind)
-    if not ok:
-        raise ForgeError(f"config error: {path}: '{dotted}' expects {_type_name(kind)}, got {value!r}")
-    return converted
-
-
-def _matches(value: Any, kind: Any) -> tuple[bool, Any]:
-    origin = typing.get_origin(kind)
-    if kind is Any:
-        return True, value
-    if origin is Literal:
-        return value in typing.get_args(kind), value
-    if origin in (Union, types.UnionType):
-        for option in typing.get_args(kind):
-            ok, converted = _matches(value, option)
-            if ok:
-                return True, converted
-        return False, value
-    if kind is type(None):
-        return value is None, value
-    if origin in (list, tuple):
-        (item_kind, *_) = typing.get_args(kind) or (Any,)
-        if not isinstance(value, list):
-            return False, value
-        checked = [_matches(v, item_kind) for v in value]
-        return all(ok for ok, _ in checked), origin(v for _, v in checked)
-    if origin is dict:
-        return isinstance(value, dict), value
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool), float(value) if isinstance(value, (int, float)) else value
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if kind is str:
-        return isinstance(value, str), value
-    if kind is bool:
-        return isinstance(value, bool), value
-    return isinstance(value, kind), value
-
-
-def _type_name(kind: Any) -> str:
+def _describe(cls: type, raw: dict, loc: tuple) -> str:
+    """Pydantic's error at `loc` in our words: the field's dotted key and type (for an item of a list, the list's)
+    and the YAML's value; an unknown key gets the closest known one."""
+    kind, value, dotted = cls, raw, []
+    for key in loc:
+        if not (dataclasses.is_dataclass(kind) and isinstance(value, dict)):
+            break
+        hints = typing.get_type_hints(kind)
+        if key not in hints:
+            prefix = "".join(f"{k}." for k in dotted)
+            close = difflib.get_close_matches(str(key), list(hints), n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f" (known: {', '.join(hints)})"
+            return f"unknown key '{prefix}{key}'{hint}"
+        kind, value, dotted = hints[key], value[key], [*dotted, key]
+    name = ".".join(dotted)
+    if dataclasses.is_dataclass(kind):
+        return f"'{name}' must be a mapping, got {value!r}"
     if typing.get_origin(kind) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(kind))
-    return getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
+        return f"'{name}' expects one of {', '.join(map(repr, typing.get_args(kind)))}, got {value!r}"
+    kind_name = str(kind).replace("typing.", "") if typing.get_origin(kind) else kind.__name__
+    return f"'{name}' expects {kind_name}, got {value!r}"

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO, script_command, script_env
 from forge_core.config import ForgeError, load_config
-from train_grpo import GRPOConfig, check_config
+from train_grpo import GRPOConfig, LossConfig, check_config
 from train_sft import SFTConfig, accumulation_steps
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -59,6 +59,43 @@ def test_wrong_literal_is_named(tmp_path):
     bad.write_text("loss:\n  loss_type: ppo\n")
     with pytest.raises(ForgeError, match=r"'loss.loss_type' expects one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', got 'ppo'"):
         load_config(GRPOConfig, ["--config", str(bad)])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("loss:\n  betta: 0.1\n", "unknown key 'loss.betta' (did you mean 'loss.beta'?)"),
+    ("losss:\n  beta: 0.1\n", "unknown key 'losss' (did you mean 'loss'?)"),
+    ("train:\n  steps: true\n", "'train.steps' expects int, got True"),
+    ("train:\n  steps: 2.0\n", "'train.steps' expects int, got 2.0"),
+    ("optim:\n  lr: 3e-4\n", "'optim.lr' expects float, got '3e-4'"),            # YAML 1.1: no dot, a string
+    ("loss:\n  epsilon_high: high\n", "'loss.epsilon_high' expects float | None, got 'high'"),
+    ("engine:\n  prefix_caching: 1\n", "'engine.prefix_caching' expects bool, got 1"),
+    ("rewards:\n  functions: [a, 3]\n", "'rewards.functions' expects list[str], got ['a', 3]"),
+    ("optim:\n  betas: [0.9]\n", "'optim.betas' expects tuple[float, float], got [0.9]"),
+    ("loss: 3\n", "'loss' must be a mapping, got 3"),
+])
+def test_config_mistakes_are_named(tmp_path, text, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(ForgeError) as err:
+        load_config(GRPOConfig, ["--config", str(bad)])
+    assert str(err.value) == f"config error: {bad}: {message}"
+
+
+def test_yaml_values_that_fit_their_fields(tmp_path):
+    """An int where a float goes, null for an optional field, a list for a tuple."""
+    good = tmp_path / "good.yaml"
+    good.write_text("loss:\n  beta: 1\n  epsilon_high: null\noptim:\n  betas: [0.9, 0.99]\n")
+    cfg = load_config(GRPOConfig, ["--config", str(good)])
+    assert (cfg.loss.beta, cfg.loss.epsilon_high, cfg.optim.betas) == (1.0, None, (0.9, 0.99))
+    assert type(cfg.loss.beta) is float and type(cfg.loss) is LossConfig
+
+
+def test_a_section_keeps_the_scripts_defaults_for_keys_it_leaves_out(tmp_path):
+    """GRPOConfig's optim.lr (1e-5) is not OptimConfig's: a YAML `optim:` without lr must not bring the latter."""
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("optim:\n  weight_decay: 0.0\n")
+    cfg = load_config(GRPOConfig, ["--config", str(partial)])
+    assert (cfg.optim.lr, cfg.optim.weight_decay) == (GRPOConfig().optim.lr, 0.0)
 
 
 def run_probe(tmp_path: Path, code: str, *args: str, nproc: int | None = None) -> str:

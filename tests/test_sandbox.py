@@ -1,0 +1,238 @@
+"""The sandbox against hostile code, with real subprocesses: limits, isolation, cleanup, parallel calls.
+
+Run as root (as the trainer is here): the code inside runs as uid 65534, and no other process here does.
+"""
+
+import json
+import os
+import resource
+import socket
+import subprocess
+import tempfile
+import time
+from contextlib import suppress
+from pathlib import Path
+
+import pytest
+
+from forge_core.sandbox import SandboxConfig, SandboxError, run_python, run_python_many
+
+REPO = Path(__file__).resolve().parents[1]
+NOBODY = SandboxConfig().user
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="drops to uid 65534 and checks its processes: needs root")
+
+
+def processes_of(uid: int) -> list[int]:
+    pids = []
+    for name in os.listdir("/proc"):
+        with suppress(FileNotFoundError):
+            if name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid:
+                pids.append(int(name))
+    return pids
+
+
+@pytest.fixture
+def open_dir():
+    """A directory that uid 65534 may write (pytest's tmp_path is under a root-only directory)."""
+    with tempfile.TemporaryDirectory() as path:
+        os.chmod(path, 0o777)
+        yield Path(path)
+
+
+def test_normal_code_returns_its_stdout():
+    result = run_python("print(2 + 2)", SandboxConfig())
+    assert (result.stdout, result.stderr, result.exit_code, result.timed_out) == ("4\n", "", 0, False)
+    assert result.observation() == "4\n"
+
+
+def test_failures_are_reported_as_a_model_should_see_them():
+    exit3, raised, segfault = run_python_many(
+        ["import os; print('partial', flush=True); os._exit(3)", "raise ValueError('boom')",
+         "import ctypes; ctypes.string_at(0)"], SandboxConfig())
+    assert exit3.exit_code == 3 and exit3.observation() == "partial\n[exit code 3]\n"
+    assert raised.exit_code == 1 and raised.observation().endswith("ValueError: boom\n")
+    assert segfault.exit_code == -11 and "killed by signal 11 (Segmentation fault)" in segfault.observation()
+
+
+def test_infinite_loop_times_out_and_the_call_returns():
+    result = run_python("while True: pass", SandboxConfig(timeout_s=1.0))
+    assert result.timed_out and result.exit_code is None
+    assert 1.0 <= result.seconds < 2.0
+    assert result.observation().startswith("[timed out after 1.")
+    assert processes_of(NOBODY) == []
+
+
+def test_limits_are_set_inside():
+    cfg = SandboxConfig(cpu_seconds=3, memory_mb=300, file_size_mb=2, max_processes=7, max_open_files=40)
+    code = ("import resource as r\nprint([r.getrlimit(getattr(r, 'RLIMIT_' + k))[0] for k in "
+            "('CPU', 'AS', 'FSIZE', 'NPROC', 'NOFILE', 'CORE')])")
+    assert json.loads(run_python(code, cfg).stdout) == [3, 300 << 20, 2 << 20, 7, 40, 0]
+
+
+def test_cpu_limit_kills_busy_code_before_the_timeout():
+    result = run_python("while True: pass", SandboxConfig(cpu_seconds=1, timeout_s=10.0))
+    assert not result.timed_out and result.exit_code == -9
+    assert result.stderr == "" and result.observation() == "[killed by signal 9 (Killed)]\n"
+
+
+def test_memory_bomb_fails_inside_and_the_parent_is_untouched():
+    limits_before = resource.getrlimit(resource.RLIMIT_AS)
+    result = run_python("x = bytearray(2 << 30)", SandboxConfig(memory_mb=256))
+    assert result.exit_code == 1 and "MemoryError" in result.stderr
+    assert resource.getrlimit(resource.RLIMIT_AS) == limits_before
+    assert len(bytearray(300 << 20)) == 300 << 20
+
+
+def test_process_limit_applies_to_the_unprivileged_user():
+    code = """
+import os, time
+forks = 0
+try:
+    while True:
+        if os.fork() == 0:
+            time.sleep(30)
+            os._exit(0)
+        forks += 1
+except OSError as err:
+    print(forks, err.strerror)
+"""
+    result = run_python(code, SandboxConfig(max_processes=5))
+    assert result.stdout == "4 Resource temporarily unavailable\n"          # 5 processes with the first
+    assert processes_of(NOBODY) == []                                      # its sleeping children died with it
+
+
+def test_fork_bomb_is_contained():
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    start = time.perf_counter()
+    result = run_python(bomb, SandboxConfig(timeout_s=1.0))
+    assert result.timed_out and time.perf_counter() - start < 2.5
+    assert processes_of(NOBODY) == []
+
+
+@pytest.mark.parametrize("then", ["pass", "os.setsid()\nwhile True: time.sleep(1)"],
+                         ids=["main_exits", "main_leaves_the_group_too_and_times_out"])
+def test_setsid_daemon_dies_with_the_call(open_dir, then):
+    code = f"""
+import os, time
+from pathlib import Path
+marks = Path({str(open_dir)!r})
+if os.fork() == 0:
+    os.setsid()                                  # out of the process group that a killpg would reach
+    if os.fork() == 0:
+        (marks / "started").touch()
+        time.sleep(1.5)                          # past the timeout of 1 s
+        (marks / "still_running").touch()
+    os._exit(0)
+while not (marks / "started").exists():
+    time.sleep(0.01)
+{then}
+"""
+    result = run_python(code, SandboxConfig(timeout_s=1.0))
+    assert result.timed_out == (then != "pass") and (open_dir / "started").exists()
+    assert processes_of(NOBODY) == []
+    time.sleep(2)
+    assert not (open_dir / "still_running").exists()
+
+
+def test_writes_outside_the_working_directory_are_refused():
+    targets = [Path(f"/root/sandbox-probe-{os.getpid()}"), REPO / f"sandbox-probe-{os.getpid()}"]
+    code = f"""
+import os
+for path in {[str(t) for t in targets]!r}:
+    try:
+        open(path, "w")
+    except OSError as err:
+        print(type(err).__name__)
+open("mine.txt", "w").write("ok")
+print(os.stat(".").st_uid, os.listdir("."), os.getcwd())
+"""
+    result = run_python(code, SandboxConfig())
+    refusals, workdir = result.stdout.splitlines()[:2], result.stdout.splitlines()[2]
+    created = [t for t in targets if t.exists()]
+    for target in created:
+        target.unlink()
+    assert refusals == ["PermissionError", "PermissionError"] and created == [], result.observation()
+    assert workdir.startswith(f"{NOBODY} ['mine.txt'] ")                   # its own, fresh, writable
+    assert not Path(workdir.split()[-1]).exists()                         # and removed afterwards
+
+
+def test_output_flood_is_truncated_and_returns_promptly():
+    cfg = SandboxConfig(max_output_bytes=1000)
+    result = run_python("while True: print('x' * 10000)", cfg)
+    assert not result.timed_out and result.seconds < 2.0                  # RLIMIT_FSIZE (16 MB) stopped it
+    assert result.stdout.startswith("x" * 1000 + "\n[output truncated: 16777216 bytes")
+    assert len(result.stdout) < 1100 and "File too large" in result.stderr
+    assert "[output truncated" in result.observation()
+
+
+def test_network_is_unreachable():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        code = f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n" \
+               f"except OSError as err:\n    print(err.strerror)"
+        result = run_python(code, SandboxConfig())
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    assert result.stdout == "Network is unreachable\n"
+
+
+def test_environment_is_empty():
+    result = run_python("import json, os\nprint(json.dumps(dict(os.environ)))", SandboxConfig())
+    environ = json.loads(result.stdout)
+    assert "HOME" not in environ and "PYTHONPATH" not in environ and "PATH" not in environ
+    assert set(environ) <= {"LC_CTYPE"}                # set by Python itself in the C locale (PEP 538)
+
+
+def test_parallel_calls_return_in_order():
+    start = time.perf_counter()
+    results = run_python_many([f"import time\ntime.sleep(1)\nprint({i})" for i in range(4)], SandboxConfig())
+    assert time.perf_counter() - start < 2.5
+    assert [r.stdout for r in results] == ["0\n", "1\n", "2\n", "3\n"]
+
+
+def test_a_timeout_does_not_affect_the_other_calls():
+    codes = ["while True: pass", "print(1)", "import time\ntime.sleep(0.3)\nprint(2)"]
+    looping, first, second = run_python_many(codes, SandboxConfig(timeout_s=1.0))
+    assert looping.timed_out and (first.stdout, second.stdout) == ("1\n", "2\n")
+    assert not first.timed_out and not second.timed_out
+
+
+UNPRIVILEGED_CALLER = """
+import sys, types
+sys.path.insert(0, sys.argv[1])
+config = types.ModuleType("forge_core.config")      # the system python has none of our dependencies,
+config.ForgeError = type("ForgeError", (Exception,), {})     # and the sandbox needs only this from config
+sys.modules["forge_core.config"] = config
+from forge_core.sandbox import SandboxConfig, run_python
+print(run_python(sys.argv[2], SandboxConfig(max_processes=4)).stdout, end="")
+"""
+
+
+def test_an_unprivileged_caller_gets_a_user_namespace():
+    code = """
+import os, socket, time
+print(os.getpid(), os.getuid())
+try:
+    while True:
+        if os.fork() == 0:
+            time.sleep(30)
+except OSError as err:
+    print(err.strerror)
+try:
+    socket.create_connection(("127.0.0.1", 9), timeout=2)
+except OSError as err:
+    print(err.strerror)
+"""
+    caller = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+              SandboxConfig().python, "-I", "-c", UNPRIVILEGED_CALLER, str(REPO), code]
+    proc = subprocess.run(caller, cwd="/", capture_output=True, text=True, timeout=30)
+    assert proc.stdout.splitlines() == [f"1 {NOBODY}", "Resource temporarily unavailable",
+                                        "Network is unreachable"], proc.stderr
+    assert processes_of(NOBODY) == []
+
+
+def test_missing_tools_fail_in_one_line(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SandboxError, match=r"sandbox error: '\w+' is not on PATH"):
+        run_python("print(1)", SandboxConfig())
