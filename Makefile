@@ -4,9 +4,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 NPROC ?= 2
+SEED ?= 0
 export OMP_NUM_THREADS := 1
 
-.PHONY: setup run run-smol test bench
+# `make run SEED=1`: another seed for SFT and GRPO, in runs of its own (a re-run resumes from its own checkpoints)
+ifneq ($(SEED),0)
+SFT_SEED := --train.seed $(SEED) --out_dir runs/sft-tiny-seed$(SEED)
+GRPO_SEED := --train.seed $(SEED) --model.path runs/sft-tiny-seed$(SEED)/hf --out_dir runs/grpo-tiny-seed$(SEED)
+endif
+
+.PHONY: setup run run-agent run-smol test bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -19,14 +26,26 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-artifacts/tiny/init/config.json: | setup
+artifacts/tiny/init/config.json: tools/build_tiny.py forge_core/data.py | setup
 	$(BIN)/python tools/build_tiny.py --out artifacts/tiny
 
 # The default pipeline: build the tiny model and task, SFT it (2 ranks), GRPO it (3 ranks: policy |
 # reference | reward); GRPO prints held-out accuracy before and after.
 run: setup artifacts/tiny/init/config.json
-	$(BIN)/torchrun --standalone --nproc_per_node 2 train_sft.py --config configs/sft/tiny.yaml
-	$(BIN)/torchrun --standalone --nproc_per_node 3 train_grpo.py --config configs/grpo/tiny.yaml
+	@start=$$(date +%s) && \
+	$(BIN)/torchrun --standalone --nproc_per_node 2 train_sft.py --config configs/sft/tiny.yaml $(SFT_SEED) && \
+	$(BIN)/torchrun --standalone --nproc_per_node 3 train_grpo.py --config configs/grpo/tiny.yaml $(GRPO_SEED) && \
+	echo "make run: SFT + GRPO took $$(( $$(date +%s) - start )) s"
+
+artifacts/tiny_calculator/init/config.json: tools/build_tiny.py forge_core/data.py | setup
+	$(BIN)/python tools/build_tiny.py --task calculator --out artifacts/tiny_calculator
+
+# Agentic GRPO: SFT on a few calculator-call traces (2 ranks), then GRPO with the Calculator environment (3 ranks)
+run-agent: setup artifacts/tiny_calculator/init/config.json
+	@start=$$(date +%s) && \
+	$(BIN)/torchrun --standalone --nproc_per_node 2 train_sft.py --config configs/sft/tiny_calculator.yaml && \
+	$(BIN)/torchrun --standalone --nproc_per_node 3 train_grpo.py --config configs/grpo/tiny_calculator.yaml && \
+	echo "make run-agent: SFT + GRPO took $$(( $$(date +%s) - start )) s"
 
 artifacts/smollm2-135m/converted.json: | setup
 	$(BIN)/python tools/convert_smollm2.py --out artifacts/smollm2-135m

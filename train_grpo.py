@@ -11,8 +11,6 @@ One step (policy ranks):  generate G samples per prompt -> token ids out -> firs
 """
 
 import gc
-import importlib
-import importlib.util
 import math
 import time
 from dataclasses import dataclass, field
@@ -24,8 +22,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from forge_core.ckpt import CheckpointConfig, Checkpointer
-from forge_core.config import ForgeError, config_to_dict, load_config, run_main
+from forge_core.config import ForgeError, config_to_dict, import_symbol, load_config, run_main
 from forge_core.data import chat_prompt_ids, read_rows, require_fields, sample_indices
+from forge_core.env import EnvConfig, load_env, run_episodes
 from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, init_roles, release, role_ranks,
                               wait_idle)
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
@@ -53,6 +52,7 @@ class RewardConfig:
     functions: list[str] = field(default_factory=lambda: ["addition_correct"])  # rewards.py names or file.py:fn
     weights: list[float] | None = None  # one per function; None = all 1
     accuracy: str | None = None         # function whose mean is reported as accuracy; None = the first
+                                        # (with an env: "env", the mean episode return)
     model_path: str | None = None       # optional HF sequence-classification reward model (on reward ranks)
     model_weight: float = 1.0
 
@@ -94,6 +94,7 @@ class GRPOConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     rewards: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)   # multi-turn episodes with an environment (forge_core/env.py)
     loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, max_grad_norm=1.0))
@@ -180,23 +181,10 @@ def token_logprobs(model, part: Rollout, temperature: float, with_entropy: bool 
 # ---- roles: the reward and reference ranks answer the policy ranks ----
 
 def load_reward_functions(cfg: RewardConfig) -> dict[str, Callable[[str, dict], float]]:
-    functions = {}
-    for spec in cfg.functions:
-        where, _, name = spec.rpartition(":")
-        try:
-            if not where:
-                module = importlib.import_module("rewards")
-            elif where.endswith(".py"):
-                loader = importlib.util.spec_from_file_location(Path(where).stem, where)
-                module = importlib.util.module_from_spec(loader)
-                loader.loader.exec_module(module)
-            else:
-                module = importlib.import_module(where)
-        except (ImportError, FileNotFoundError) as err:
-            raise ForgeError(f"config error: rewards.functions: cannot import '{where or 'rewards'}' ({err})") from None
-        if not callable(getattr(module, name, None)):
-            raise ForgeError(f"config error: rewards.functions: no function '{name}' in {where or 'rewards.py'}")
-        functions[name] = getattr(module, name)
+    functions = {spec.rpartition(":")[2]: import_symbol(spec, "rewards", "rewards.functions") for spec in cfg.functions}
+    for name, fn in functions.items():
+        if not callable(fn):
+            raise ForgeError(f"config error: rewards.functions: '{name}' is not a function")
     if cfg.weights is not None and len(cfg.weights) != len(functions):
         raise ForgeError(f"config error: rewards.weights has {len(cfg.weights)} values for "
                          f"{len(functions)} rewards.functions")
@@ -329,6 +317,8 @@ def receive_scores(rollout: Rollout | None, roles: Roles, cfg: GRPOConfig, local
             ref[at] = answer["ref_logprobs"][mine][:, :ref.shape[1]]     # the merged batch may be wider
     if not roles.reward_ranks:        # no reward ranks: rule rewards run right here
         rewards, errors, terms = local_rewards(rollout)
+    if rollout.episode:               # the environment's return, summed over the episode's steps
+        rewards, terms = rewards + rollout.episode["return"], terms | {"env": rollout.episode["return"]}
     rollout.rewards, rollout.reward_terms, rollout.reward_errors = rewards, terms, errors
     rollout.ref_logprobs = ref if cfg.loss.beta > 0 else None
 
@@ -390,41 +380,64 @@ def rollout_metrics(rollout: Rollout, roles: Roles, accuracy_fn: str) -> dict[st
     sums = {"n": len(rollout), "r": r.sum().item(), "r2": (r ** 2).sum().item(), "errors": rollout.reward_errors.sum().item(),
             "len": rollout.completion_mask.sum().item(), "trunc": rollout.truncated.sum().item(),
             "dropped": 0.0 if rollout.kept is None else (~rollout.kept).sum().item(),
-            **{f"term/{k}": v.sum().item() for k, v in rollout.reward_terms.items()}}
+            **{f"term/{k}": v.sum().item() for k, v in rollout.reward_terms.items()},
+            **{f"episode/{k}": v.sum().item() for k, v in rollout.episode.items()}}
     s = reduce_metrics(sums, roles.groups["policy"])
     mean = s["r"] / s["n"]
     out = {"reward/mean": mean, "reward/std": math.sqrt(max(s["r2"] / s["n"] - mean ** 2, 0.0)),
            "reward/errors": s["errors"], "reward/accuracy": s.get(f"term/{accuracy_fn}", 0.0) / s["n"],
            "completion/length": s["len"] / s["n"], "completion/truncated": s["trunc"] / s["n"],
            "train/dropped_sequences": s["dropped"] / s["n"]}
-    return out | {f"reward/{k[5:]}": v / s["n"] for k, v in s.items() if k.startswith("term/")}
+    return out | {f"reward/{k[5:]}": v / s["n"] for k, v in s.items() if k.startswith("term/")} | \
+        {k: v / s["n"] for k, v in s.items() if k.startswith("episode/")}
 
 
-def evaluate(engine, tokenizer, eval_rows: list[dict], prompts: list[list[int]], cfg: GRPOConfig,
-             roles: Roles, accuracy: Callable) -> dict[str, float]:
+def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles, accuracy: Callable | None
+             ) -> dict[str, float]:
     """Held-out accuracy of greedy decoding, and of G samples per prompt at the training temperature: the
     reward GRPO maximises, which can rise while the most likely answer (greedy) stays. Each policy rank
-    takes its share of the rows."""
+    takes its share of the rows. Episodes count as solved or not (`accuracy` None), with tool use and turns."""
     me, P = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks)
     index = list(range(me, len(eval_rows), P))
-    sums = {}
-    for name, greedy in (("accuracy", True), ("accuracy_sampled", False)):
-        rollout = generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id,
-                           seed=0, greedy=greedy)
-        texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        sums[name] = sum(accuracy(t, eval_rows[i]) for t, i in zip(texts, rollout.row_ids))
-        sums[f"{name}/n"] = len(texts)
-    s = reduce_metrics(sums, roles.groups["policy"])
-    return {f"eval/{name}": s[name] / s[f"{name}/n"] for name in ("accuracy", "accuracy_sampled")}
+    out = {}
+    for suffix, greedy in (("", True), ("_sampled", False)):
+        rollout = sample(index, seed=0, greedy=greedy)
+        if rollout.episode:         # an episode is solved when its return is positive
+            sums = {"accuracy": (rollout.episode["return"] > 0).sum().item(),
+                    "tool_use": (rollout.episode["tool_calls"] > 0).sum().item(),
+                    "turns": rollout.episode["turns"].sum().item()}
+        else:
+            texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+            sums = {"accuracy": sum(accuracy(t, eval_rows[i]) for t, i in zip(texts, rollout.row_ids))}
+        s = reduce_metrics(sums | {"n": len(rollout)}, roles.groups["policy"])
+        out |= {f"eval/{k}{suffix}": v / s["n"] for k, v in s.items() if k != "n"}
+    return out
 
 
-def describe_accuracy(start: dict[str, float], end: dict[str, float], cfg: GRPOConfig) -> str:
+def sampler(engine, tokenizer, rows: list[dict], cfg: GRPOConfig, env_class) -> Callable[..., Rollout]:
+    """`sample(row indices, seed, greedy)` -> Rollout: G completions per prompt, or G episodes per row."""
+    prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in rows] if env_class is None else None
+
+    def sample(index: list[int], seed: int, greedy: bool = False) -> Rollout:
+        if env_class is not None:
+            return run_episodes(engine, tokenizer, env_class, [rows[i] for i in index], index, cfg.sampling,
+                                cfg.env, seed, greedy)
+        return generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id, seed, greedy)
+    return sample
+
+
+def describe_accuracy(start: dict[str, float], end: dict[str, float], cfg: GRPOConfig, steps: range) -> str:
     samples = f"sampled (T={cfg.sampling.temperature:g}, {cfg.sampling.num_generations} per prompt)"
-    return (f"greedy {start['eval/accuracy']:.3f} -> {end['eval/accuracy']:.3f}, "
-            f"{samples} {start['eval/accuracy_sampled']:.3f} -> {end['eval/accuracy_sampled']:.3f}")
+    line = (f"held-out accuracy: greedy {start['eval/accuracy']:.3f} -> {end['eval/accuracy']:.3f}, "
+            f"{samples} {start['eval/accuracy_sampled']:.3f} -> {end['eval/accuracy_sampled']:.3f} "
+            f"(step {steps.start} -> {steps.stop})")
+    if "eval/tool_use" in start:
+        line += f"\ntool use: {start['eval/tool_use']:.2f} -> {end['eval/tool_use']:.2f} of episodes (held-out, greedy)"
+    return line
 
 
-def sent_rollouts(engine, tokenizer, prompts, steps: range, cfg: GRPOConfig, roles: Roles) -> Iterator[Rollout]:
+def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, cfg: GRPOConfig, roles: Roles
+                  ) -> Iterator[Rollout]:
     """This policy rank's rollouts in step order, each yielded once its token ids went out to the reward and
     reference ranks (exchange 1); its scores come back in exchange 2, which the trainer waits for when it needs
     them. With `one_step_off`, step t's rollout goes out before step t-1's is trained on, so it was sampled by
@@ -434,11 +447,10 @@ def sent_rollouts(engine, tokenizer, prompts, steps: range, cfg: GRPOConfig, rol
     waiting = None
     for step in steps:
         t0 = time.perf_counter()
-        index = sample_indices(step, cfg.train.prompts_per_step, len(prompts), cfg.train.seed)[me * per_rank:(me + 1) * per_rank]
-        rollout = generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id,
-                           seed=cfg.train.seed + step * 1_000 + roles.rank)
+        index = sample_indices(step, cfg.train.prompts_per_step, num_rows, cfg.train.seed)[me * per_rank:(me + 1) * per_rank]
+        rollout = sample(index, seed=cfg.train.seed + step * 1_000 + roles.rank)
         t1 = time.perf_counter()
-        rollout.seconds = {"generate": t1 - t0}
+        rollout.seconds["generate"] = t1 - t0 - rollout.seconds.get("tools", 0.0)
         send_rollout(rollout, roles)
         ready, waiting = (waiting, rollout) if cfg.train.one_step_off else (rollout, None)
         if ready is None:               # one step off, the first step: no scores are due, exchange 2 is empty
@@ -457,10 +469,10 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
                  ckpt: Checkpointer, policy, optim, sched) -> None:
     functions = load_reward_functions(cfg.rewards)
     weights = cfg.rewards.weights or [1.0] * len(functions)
-    accuracy_name = cfg.rewards.accuracy or next(iter(functions))
-    accuracy = functions[accuracy_name]
-    prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in rows]
-    eval_prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in eval_rows]
+    env_class = load_env(cfg.env)
+    accuracy_name = cfg.rewards.accuracy or ("env" if env_class else next(iter(functions)))
+    accuracy = functions.get(accuracy_name)
+    sample, sample_eval = (sampler(engine, tokenizer, r, cfg, env_class) for r in (rows, eval_rows))
     P, G = len(roles.policy_ranks), cfg.sampling.num_generations
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=steps.start)
     weight_sync = WeightSync(policy, engine, cfg.engine.tensor_parallel_size)   # engine = trainer's weights
@@ -470,7 +482,8 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         total, terms, errors = score(texts, [rows[i] for i in rollout.row_ids], functions, weights)
         return torch.tensor(total), torch.tensor(errors, dtype=torch.float32), {k: torch.tensor(v) for k, v in terms.items()}
 
-    start_accuracy = evaluate(engine, tokenizer, eval_rows, eval_prompts, cfg, roles, accuracy)
+    started = time.perf_counter()
+    start_accuracy = evaluate(sample_eval, tokenizer, eval_rows, roles, accuracy)
     accuracy_now = start_accuracy
     log.print(f"held-out accuracy at step {steps.start}: {start_accuracy['eval/accuracy']:.3f} greedy, "
               f"{start_accuracy['eval/accuracy_sampled']:.3f} sampled")
@@ -483,7 +496,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
             rollout.kept = ~zero_variance_groups(rollout.rewards, G)
         rollout.seconds["score"] += time.perf_counter() - t
 
-    rollouts = sent_rollouts(engine, tokenizer, prompts, steps, cfg, roles)
+    rollouts = sent_rollouts(sample, len(rows), steps, cfg, roles)
     last_step_end = time.perf_counter()
     for step, rollout in zip(steps, rollouts):
         t_start, sent = time.perf_counter(), rollout.seconds["score"]
@@ -494,7 +507,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         t_sync = time.perf_counter()
 
         metrics = rollout_metrics(rollout, roles, accuracy_name) | stats
-        gen_tokens = metrics["completion/length"] * cfg.train.prompts_per_step * G
+        gen_tokens = metrics.get("episode/model_tokens", metrics["completion/length"]) * cfg.train.prompts_per_step * G
         waited = rollout.seconds["score"] - sent
         seconds = rollout.seconds | {"train": t_train - t_start - waited, "sync": t_sync - t_train}
         step_end = time.perf_counter()     # wall time per step: the phases, metrics, and the last step's logging
@@ -507,12 +520,12 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
             metrics |= {"sync/seconds": sync.seconds, "sync/gather_seconds": sync.gather_seconds,
                         "sync/gigabytes": sync.bytes / 1e9}
         if done == cfg.train.steps or (cfg.train.eval_every and done % cfg.train.eval_every == 0):
-            accuracy_now = evaluate(engine, tokenizer, eval_rows, eval_prompts, cfg, roles, accuracy)
+            accuracy_now = evaluate(sample_eval, tokenizer, eval_rows, roles, accuracy)
             metrics |= accuracy_now
         if done % cfg.train.log_every == 0 or "eval/accuracy" in metrics:
             log.log(done, metrics, ("reward/mean", "reward/accuracy", "loss/kl", "completion/length",
-                                    "perf/generate_tokens_per_s", "time/step", "eval/accuracy",
-                                    "eval/accuracy_sampled"))
+                                    "episode/turns", "episode/tool_calls", "perf/generate_tokens_per_s", "time/step",
+                                    "eval/accuracy", "eval/accuracy_sampled", "eval/tool_use"))
         ckpt.maybe_save(done, steps.stop, policy, optim,
                         {"scheduler": sched.state_dict(), "config": config_to_dict(cfg)})
         last_step_end = step_end
@@ -520,7 +533,10 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
         export_hf(policy, tokenizer, export_dir, roles.groups["policy"])
         log.print(f"exported {export_dir}")
-    log.print(f"held-out accuracy: {describe_accuracy(start_accuracy, accuracy_now, cfg)} (step {steps.start} -> {steps.stop})")
+    log.print(describe_accuracy(start_accuracy, accuracy_now, cfg, steps))
+    log.print(f"summary: {steps.stop - steps.start} GRPO steps in {time.perf_counter() - started:.0f} s took greedy "
+              f"held-out accuracy from {start_accuracy['eval/accuracy']:.3f} to {accuracy_now['eval/accuracy']:.3f} "
+              f"({len(eval_rows)} rows)")
     log.close()
 
 
@@ -552,7 +568,8 @@ def main() -> None:
     cfg = load_config(GRPOConfig)
     roles = init_roles(cfg.layout, cfg.dist, reference_scores=cfg.loss.beta > 0)   # every rank builds every group
     check_config(cfg, roles.dist.world_size, roles.dist.ranks_per_node)
-    load_reward_functions(cfg.rewards)       # a typo in a reward name fails here, on every rank, before any work
+    load_reward_functions(cfg.rewards)       # a typo in a reward or env name fails here, on every rank, before any work
+    load_env(cfg.env)
     rows = read_rows(cfg.data.path, cfg.data.split, cfg.data.subset)
     eval_rows = read_rows(cfg.data.eval_path, cfg.data.eval_split, cfg.data.subset)[:cfg.data.eval_rows]
     require_fields(rows, [cfg.data.prompt_field, cfg.data.answer_field], cfg.data.path)

@@ -13,6 +13,8 @@ first error as one line: the dotted key, the field's type, the YAML's value, or 
 
 import dataclasses
 import difflib
+import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -24,7 +26,7 @@ import pydantic
 import tyro
 import yaml
 
-__all__ = ["ForgeError", "load_config", "run_main", "config_to_dict"]
+__all__ = ["ForgeError", "load_config", "run_main", "config_to_dict", "import_symbol"]
 
 T = TypeVar("T")
 
@@ -47,6 +49,25 @@ def load_config(cls: type[T], argv: list[str] | None = None) -> T:
 
 def config_to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def import_symbol(spec: str, default_module: str, key: str) -> Any:
+    """What a config names: `name` (in `default_module`), `file.py:name` or `package.module:name`."""
+    where, _, name = spec.rpartition(":")
+    try:
+        if not where:
+            module = importlib.import_module(default_module)
+        elif where.endswith(".py"):
+            loader = importlib.util.spec_from_file_location(Path(where).stem, where)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except (ImportError, FileNotFoundError) as err:
+        raise ForgeError(f"config error: {key}: cannot import '{where or default_module}' ({err})") from None
+    if not hasattr(module, name):
+        raise ForgeError(f"config error: {key}: no '{name}' in {where or default_module + '.py'}")
+    return getattr(module, name)
 
 
 def run_main(main: Callable[[], Any]) -> None:

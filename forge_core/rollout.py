@@ -54,19 +54,23 @@ class Rollout:
     advantages: Tensor | None = None    # [B*G]
     old_logprobs: Tensor | None = None  # [B*G, C] trainer's logprobs before this step's updates
     kept: Tensor | None = None          # [B*G] bool: sequences the loss learns from (None = all)
+    model_mask: Tensor | None = None    # [B*G, C] multi-turn: 1 = the model's token, 0 = an observation's (None = all)
+    episode: dict[str, Tensor] = field(default_factory=dict)         # multi-turn: statistic -> [B*G] per episode
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
     def loss_mask(self) -> Tensor:
-        """[B*G, C] the tokens the loss counts: the generated ones of kept sequences. `completion_mask` stays
-        what was generated: the trainer lays each completion out by it."""
-        return self.completion_mask if self.kept is None else self.completion_mask * self.kept.unsqueeze(1)
+        """[B*G, C] the tokens the loss counts: the model's own tokens of kept sequences. `completion_mask` stays
+        every token after the prompt (observations included): the trainer lays each completion out by it."""
+        mask = self.completion_mask if self.model_mask is None else self.completion_mask * self.model_mask
+        return mask if self.kept is None else mask * self.kept.unsqueeze(1)
 
     def select(self, index: slice) -> "Rollout":
         """The sequences in `index` (a slice), every per-sequence field cut the same way."""
         cut = {k: (v[index] if isinstance(v, (Tensor, list)) else v) for k, v in vars(self).items()}
         cut["reward_terms"] = {k: v[index] for k, v in self.reward_terms.items()}
+        cut["episode"] = {k: v[index] for k, v in self.episode.items()}
         cut["seconds"] = dict(self.seconds)
         return Rollout(**cut)
 

@@ -100,8 +100,8 @@ class WeightSync:
         slot = {id(t): (o, n) for t, o, n in zip(self.shards, offsets, rows)}
         for name, t in self.tensors.items():
             dst = self.destinations[name]
-            if not isinstance(t, DTensor):
-                self.own_copies[0].append(dst), self.own_copies[1].append(t.detach())
+            if not isinstance(t, DTensor):    # the engine may pad a vocabulary's rows (to 64): those stay as they are
+                self.own_copies[0].append(dst[:t.shape[0]]), self.own_copies[1].append(t.detach())
                 continue
             offset, n = slot[id(t)]
             for r in range(R):

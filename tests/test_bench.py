@@ -29,3 +29,20 @@ def test_gemm_bench_prints_every_linear(tiny):
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "| 64 |" in line]
     assert [row.split()[1] for row in rows] == ["qkv", "o", "gate_up", "down", "lm_head"]
     assert all(float(cell) > 0 for row in rows for cell in row.strip("| ").split(" | ")[2:]), rows
+
+
+def test_agent_bench_prints_the_cost_of_turns(tmp_path):
+    """bench/bench_agent.py on a few steps of the calculator job from an untrained model (its episodes are short)."""
+    import subprocess
+    import sys
+    subprocess.run([sys.executable, str(REPO / "tools" / "build_tiny.py"), "--task", "calculator", "--out",
+                    str(tmp_path / "calc")], check=True, cwd=REPO, capture_output=True)
+    config = yaml.safe_load((REPO / "configs" / "grpo" / "tiny_calculator.yaml").read_text())
+    config["data"] |= {"path": str(tmp_path / "calc" / "data" / "train.jsonl"),
+                       "eval_path": str(tmp_path / "calc" / "data" / "eval.jsonl")}
+    (tmp_path / "calc.yaml").write_text(yaml.safe_dump(config))
+    proc = run_script("bench/bench_agent.py", ["--config", str(tmp_path / "calc.yaml"), "--model",
+                                               str(tmp_path / "calc" / "init"), "--steps", "3", "--warmup_steps", "1"])
+    assert "| turn loop (" in proc.stdout and "| single-turn generate," in proc.stdout
+    raw = json.loads(proc.stdout.split("raw numbers: ")[1].splitlines()[0])
+    assert raw["ours"]["perf/generate_tokens_per_s"] > 0 and raw["single_turn"]["tokens_per_s"] > 0

@@ -79,7 +79,7 @@ def test_dynamic_sampling_drops_zero_variance_groups_from_the_loss(tiny, tmp_pat
 
 @pytest.mark.parametrize("extra, message", [
     (["--layout.reward", "2"], "config error: layout policy=1 reference=1 reward=2 needs 4 ranks; torchrun started 3"),
-    (["--rewards.functions", "no_such_reward"], "config error: rewards.functions: no function 'no_such_reward' in rewards.py"),
+    (["--rewards.functions", "no_such_reward"], "config error: rewards.functions: no 'no_such_reward' in rewards.py"),
 ])
 def test_layout_and_reward_errors(tiny, tmp_path, extra, message):
     proc = run_script("train_grpo.py", grpo_args(tiny, tmp_path / "out", *extra), nproc=3, check=False)

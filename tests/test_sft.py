@@ -77,16 +77,6 @@ print("ok")
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_loss_falls_and_accuracy_rises(tiny, tmp_path):
-    """The default recipe on one rank. Its jump in accuracy is sudden and its timing seed-dependent (0.76 to
-    0.98 at step 400 over three seeds on 2 ranks), so the bar is "clearly above the 0 we start from"."""
-    run_script("train_sft.py", tiny_sft_args(tiny, tmp_path, "--train.eval_every", "400", "--train.log_every", "50"),
-               nproc=1)
-    metrics = read_metrics(tmp_path)
-    assert metrics[400]["train/loss"] < 0.6 * metrics[50]["train/loss"]
-    assert metrics[400]["eval/exact_match"] >= 0.1
-
-
 # ---- bad input: one clear line, exit code 2, nothing written ----
 
 def _fails_cleanly(proc, *fragments: str) -> None:

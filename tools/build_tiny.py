@@ -1,32 +1,39 @@
 """Build the embedded default locally, no hub: a BPE tokenizer with a ChatML template, a randomly
-initialised ~1M-parameter Llama-style model, and the addition task (train + held-out eval).
+initialised ~1M-parameter Llama-style model, and a task (train + held-out eval): addition for the default job,
+two-digit multiplication with calculator traces for the calculator environment, or the number-guessing game.
 
     python tools/build_tiny.py                   # -> artifacts/tiny/{init,data}
-    python tools/build_tiny.py --out /tmp/t --train-rows 2000
+    python tools/build_tiny.py --task calculator --out artifacts/tiny_calculator
+    python tools/build_tiny.py --task guess --out artifacts/tiny_guess      # + data/games.jsonl for GRPO
 """
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import tyro
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from forge_core.data import addition_rows
+from forge_core.data import addition_rows, guess_rows, multiplication_rows
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOOL_TAGS = ["<calc>", "</calc>", "<result>", "</result>"]
 
 
 @dataclass
 class BuildConfig:
     out: Path = Path("artifacts/tiny")
+    task: Literal["addition", "calculator", "guess"] = "addition"
     digits: int = 2                     # operands below 10**digits: learnable from scratch in about a minute
     train_rows: int = 5000
     eval_rows: int = 500
+    label_noise: float = 0.7            # addition: share of SFT responses with a slip in the last digit (GRPO unlearns it)
+    tool_share: float = 0.2             # calculator: share of SFT responses that call the calculator (GRPO learns it pays)
     seed: int = 0
     hidden_size: int = 128
     num_layers: int = 4
@@ -34,8 +41,9 @@ class BuildConfig:
     num_heads: int = 4
 
 
-def build_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
-    """Byte-level BPE with one token per digit (so numbers are learnt digit by digit)."""
+def build_tokenizer(corpus: list[str], whole_tokens: list[str]) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with one token per digit (so numbers are learnt digit by digit); `whole_tokens` (tool tags)
+    are never merged with their neighbours, so a stop string never ends inside a token."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
@@ -43,6 +51,7 @@ def build_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
     trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens([AddedToken(tag, normalized=False) for tag in whole_tokens])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>", padding_side="left", chat_template=CHAT_TEMPLATE)
 
@@ -62,23 +71,36 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def main(cfg: BuildConfig) -> None:
-    eval_rows = addition_rows(cfg.eval_rows, seed=cfg.seed + 1, digits=cfg.digits)
-    train_rows = addition_rows(cfg.train_rows, seed=cfg.seed, digits=cfg.digits,
-                               exclude={r["prompt"] for r in eval_rows})
+    if cfg.task == "addition":
+        eval_rows = addition_rows(cfg.eval_rows, seed=cfg.seed + 1, digits=cfg.digits)
+        train_rows = addition_rows(cfg.train_rows, seed=cfg.seed, digits=cfg.digits,
+                                   exclude={r["prompt"] for r in eval_rows}, label_noise=cfg.label_noise)
+    elif cfg.task == "guess":       # SFT rows are turns of games; GRPO plays whole games (secrets 1-16)
+        train_rows, eval_rows = guess_rows(cfg.train_rows // 4, cfg.seed), guess_rows(cfg.eval_rows // 4, cfg.seed + 1)
+        write_jsonl(cfg.out / "data" / "games.jsonl", [{"prompt": eval_rows[0]["prompt"][0]["content"],
+                                                         "answer": str(n)} for n in range(1, 17)])
+    else:
+        eval_rows = multiplication_rows(cfg.eval_rows, seed=cfg.seed + 1)
+        train_rows = multiplication_rows(cfg.train_rows, seed=cfg.seed, exclude={r["prompt"] for r in eval_rows},
+                                         tool_share=cfg.tool_share)
     write_jsonl(cfg.out / "data" / "train.jsonl", train_rows)
     write_jsonl(cfg.out / "data" / "eval.jsonl", eval_rows)
 
-    chats = [[{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["response"]}]
-             for r in train_rows[:2000]]
-    tokenizer = build_tokenizer([CHAT_TEMPLATE] + [json.dumps(c) for c in chats])
+    chats = [[*_messages(r["prompt"]), {"role": "assistant", "content": r["response"]}] for r in train_rows[:2000]]
+    tokenizer = build_tokenizer([CHAT_TEMPLATE] + [json.dumps(c) for c in chats],
+                                TOOL_TAGS if cfg.task == "calculator" else [])
     model = build_model(cfg, tokenizer)
     init_dir = cfg.out / "init"
     model.save_pretrained(init_dir)
     tokenizer.save_pretrained(init_dir)
-    _check_tokenizer_round_trip(init_dir, tokenizer.apply_chat_template(chats[0], tokenize=False))
+    _check_tokenizer_round_trip(init_dir, "".join(tokenizer.apply_chat_template(c, tokenize=False) for c in chats[:20]))
     params = sum(p.numel() for p in model.parameters())
     print(f"built {init_dir} ({params / 1e6:.2f}M params, vocab {len(tokenizer)}) and "
           f"{cfg.out / 'data'} ({len(train_rows)} train / {len(eval_rows)} eval rows)")
+
+
+def _messages(prompt: str | list[dict]) -> list[dict]:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 
 
 def _check_tokenizer_round_trip(path: Path, text: str) -> None:

@@ -1,0 +1,121 @@
+"""Environments for multi-turn episodes: each is one small class (the protocol is in forge_core/env.py).
+
+    env:
+      name: Calculator                  # a class in this file; or your own: "my_env.py:Maze"
+      max_turns: 3
+
+`reset(row)` turns a data set row into the first user message; `step(action)` answers each model turn with
+(observation, reward, done). Tools are plain functions an environment calls. The shipped tool environments use
+a built-in call format: the model writes `<calc>...</calc>` (or `<python>...</python>`), which is one of the
+environment's `stop` strings, so the engine pauses there; the result comes back inside the same message
+(`<result>...</result>`), and the model goes on. The tiny model's tokenizer has no tool-call template, and an
+inline result costs no chat headers; an environment that sets `observation_role = "tool"` and leaves `stop`
+empty gets its observations as chat messages instead (the chat-template way, for models whose template has tools).
+"""
+
+import ast
+import operator
+import re
+
+from forge_core.sandbox import SandboxConfig, run_python
+from rewards import extract_gsm8k_answer
+
+__all__ = ["calculate", "Calculator", "GuessNumber", "PythonTool"]
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+              ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def calculate(expression: str, max_length: int = 100, max_magnitude: float = 1e15) -> str:
+    """Arithmetic on numbers (+ - * / // % **, parentheses), parsed, never `eval`ed; bounded in size."""
+    if len(expression) > max_length:
+        raise ValueError("expression too long")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval").body
+    except SyntaxError:
+        raise ValueError("not an arithmetic expression") from None
+
+    def value(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](value(node.operand))
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 64:
+                raise ValueError("exponent too large")
+            result = _OPERATORS[type(node.op)](left, right)
+            if abs(result) > max_magnitude:
+                raise ValueError("number too large")
+            return result
+        raise ValueError("only numbers and + - * / // % ** ( )")
+    try:
+        result = value(tree)
+    except ZeroDivisionError:
+        raise ValueError("division by zero") from None
+    return str(int(result)) if float(result).is_integer() else f"{result:.6g}"
+
+
+class Calculator:
+    """Arithmetic with a calculator: `<calc>37*48</calc>` -> `<result>1776</result>`, then the answer. Reward 1
+    when the final message (the text after the last result) is `row["answer"]`."""
+    stop = ["</calc>"]
+
+    def reset(self, row: dict) -> str:
+        self.answer, self.tool_errors = str(row["answer"]).strip(), 0
+        return row["prompt"]
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        call = re.search(r"<calc>(.*)</calc>\s*$", action, re.S)
+        if call is None:
+            return "", float(action.strip() == self.answer), True
+        try:
+            result = calculate(call.group(1))
+        except ValueError as err:
+            self.tool_errors += 1
+            result = f"error: {err}"
+        return f"<result>{result}</result>", 0.0, False
+
+
+class GuessNumber:
+    """Find a secret number from "higher" / "lower" replies (each a new user message). Reward 0.9 ** (guesses
+    - 1) when found: fewer guesses, more reward; 0 when the turns run out."""
+
+    def reset(self, row: dict) -> str:
+        self.secret, self.guesses = int(row["answer"]), 0
+        return row["prompt"]
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        self.guesses += 1
+        guess = action.strip()
+        if not guess.isdigit():
+            return "a number, please", 0.0, False
+        if int(guess) == self.secret:
+            return "", 0.9 ** (self.guesses - 1), True
+        return ("higher" if int(guess) < self.secret else "lower"), 0.0, False
+
+
+class PythonTool:
+    """Word problems with a Python interpreter: `<python>print(12*7)</python>` runs in the sandbox
+    (forge_core/sandbox.py: no network, limits, nothing outlives the call) -> `<output>84</output>`. Reward 1
+    when the final message's answer (GSM8K extraction: `#### N`, \\boxed{}, or the last number) is the gold one."""
+    stop = ["</python>"]
+    sandbox = SandboxConfig(timeout_s=5.0, cpu_seconds=5, memory_mb=256, max_output_bytes=512)
+
+    instruction = ("Solve the problem. To compute, write Python between <python> and </python>; what it prints "
+                   "comes back between <output> and </output>. End with the answer as #### N.\n\n")
+
+    def reset(self, row: dict) -> str:
+        self.answer = extract_gsm8k_answer(str(row["answer"]))
+        self.tool_errors = self.tool_timeouts = 0
+        return self.instruction + row.get("question", row.get("prompt", ""))
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        call = re.search(r"<python>(.*)</python>\s*$", action, re.S)
+        if call is None:
+            return "", float(self.answer is not None and extract_gsm8k_answer(action) == self.answer), True
+        result = run_python(call.group(1), self.sandbox)
+        self.tool_timeouts += result.timed_out
+        self.tool_errors += not result.timed_out and result.exit_code != 0
+        return f"<output>{result.observation().strip()}</output>", 0.0, False

@@ -1,0 +1,191 @@
+"""Multi-turn episodes: the colocated engine plays the model's turns, an environment answers each one.
+
+An environment is any class with these methods (a protocol: nothing to subclass), named in the config the way
+reward functions are (`env.name: "environments.py:Calculator"`, or `"my_env.py:Maze"`); one instance per episode:
+
+    class Guess:
+        stop = []                                   # optional: strings that end a model turn mid-message
+        def reset(self, row: dict) -> str:          # the data row -> the first user message
+            self.secret = int(row["answer"]); return "Guess my number (1-32)."
+        def step(self, action: str) -> tuple[str, float, bool]:     # the model's turn -> observation, reward, done
+            guess = int(action) if action.strip().isdigit() else -1
+            if guess == self.secret:
+                return "", 1.0, True
+            return ("higher" if guess < self.secret else "lower"), 0.0, False
+
+Token in, token out: the model's turns are kept as the engine's own token ids and logprobs (never decoded and
+re-tokenized); only observations are tokenized and appended, with `model_mask` 0, so they are context for the
+trainer but carry no loss. How an observation is appended depends on how the model's turn ended:
+- at one of the environment's `stop` strings (a tool call such as `<calc>2*3</calc>`): inside the same message,
+  as the environment wrote it (`<result>6</result>`), and the model goes on;
+- at EOS (its message is finished): as the next chat message (role `env.observation_role`, default "user"),
+  rendered with the tokenizer's chat template, followed by the assistant header.
+An episode ends when `step` says done, after `max_turns` model turns, when its tokens reach
+`max_episode_tokens`, or when `step` raises (reward 0, counted): `end_reason` records which.
+
+Environments run on the policy ranks, beside their engine: every turn needs its observations before the next
+`generate`, so the engine waits for them wherever they are computed; here they cost no collective. The steps of
+one turn run in a thread pool, so slow tools (a sandboxed subprocess releases the GIL) overlap.
+Optional attributes an environment may count, summed into the step's metrics: `tool_errors`, `tool_timeouts`.
+"""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .config import ForgeError, import_symbol
+from .data import chat_prompt_ids
+from .rollout import Rollout, SamplingConfig, pad_left, pad_right
+
+__all__ = ["EnvConfig", "END_REASONS", "load_env", "run_episodes"]
+
+END_REASONS = ("done", "max_turns", "budget", "env_error")
+
+
+@dataclass
+class EnvConfig:
+    name: str | None = None             # "environments.py:Calculator", "my_env.py:Maze"; None = single-turn
+    max_turns: int = 4                  # model turns per episode
+    max_episode_tokens: int = 128       # model + observation tokens after the prompt
+    max_observation_tokens: int = 32    # an observation is cut to this many tokens
+    workers: int = 16                   # environment steps of one turn that run at once
+
+
+def load_env(cfg: EnvConfig) -> Callable[[], object] | None:
+    """The environment class named in the config (a one-line error for a bad name), or None (single-turn)."""
+    if cfg.name is None:
+        return None
+    env_class = import_symbol(cfg.name, "environments", "env.name")
+    missing = [m for m in ("reset", "step") if not callable(getattr(env_class, m, None))]
+    if missing:
+        raise ForgeError(f"config error: env.name: {cfg.name} has no {' or '.join(missing)} method")
+    return env_class
+
+
+@dataclass
+class _Episode:
+    env: object
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)            # after the prompt: model and observation tokens
+    model_mask: list[int] = field(default_factory=list)     # 1 = the model's own token
+    logprobs: list[float] = field(default_factory=list)     # the engine's; 0 for observation tokens
+    reward: float = 0.0
+    turns: int = 0
+    tool_calls: int = 0
+    end_reason: str | None = None
+
+
+def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[int], sampling: SamplingConfig,
+                 cfg: EnvConfig, seed: int, greedy: bool = False) -> Rollout:
+    """G episodes per row (1 when greedy), played turn by turn: each turn is one batched `generate` over the
+    episodes still running, then their environment steps in parallel. The Rollout's completion is everything
+    after the first prompt; `episode` holds per-episode statistics (return, turns, tool calls, end reason)."""
+    from vllm import SamplingParams
+    G = 1 if greedy else sampling.num_generations
+    stops = list(getattr(env_class, "stop", []))
+    episodes = [_Episode(env_class(), []) for _ in rows for _ in range(G)]
+    expanded_rows = [row for row in rows for _ in range(G)]
+    tool_seconds = 0.0
+    with ThreadPoolExecutor(cfg.workers) as pool:
+        firsts = list(pool.map(lambda e, row: e.env.reset(row), episodes, expanded_rows))
+        for episode, first in zip(episodes, firsts):
+            episode.prompt_ids = chat_prompt_ids(tokenizer, first)
+        for turn in range(cfg.max_turns):
+            running = [e for e in episodes if e.end_reason is None]
+            if not running:
+                break
+            params = [SamplingParams(n=1, max_tokens=min(sampling.max_tokens, cfg.max_episode_tokens - len(e.ids)),
+                                     logprobs=0, stop=stops, include_stop_str_in_output=True,
+                                     temperature=0.0 if greedy else sampling.temperature,
+                                     top_p=1.0 if greedy else sampling.top_p, top_k=-1 if greedy else sampling.top_k)
+                      for e in running]
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + turn)
+                outputs = engine.generate([{"prompt_token_ids": e.prompt_ids + e.ids} for e in running], params,
+                                          use_tqdm=False)
+            actions = [_take_turn(e, out.outputs[0], tokenizer, stops) for e, out in zip(running, outputs)]
+            t0 = time.perf_counter()
+            results = list(pool.map(_step, running, actions))
+            tool_seconds += time.perf_counter() - t0
+            for episode, result, (_, at_eos) in zip(running, results, actions):
+                _answer(episode, result, at_eos, turn, tokenizer, cfg)
+    return _to_rollout(episodes, row_ids, G, tokenizer.pad_token_id, tool_seconds)
+
+
+def _take_turn(episode: _Episode, sample, tokenizer, stops: list[str]) -> tuple[str, bool]:
+    """Append the model's turn as generated; the text the environment sees, and whether it ended at EOS."""
+    ids = list(sample.token_ids)
+    episode.ids += ids
+    episode.model_mask += [1] * len(ids)
+    episode.logprobs += [lp[tok].logprob for lp, tok in zip(sample.logprobs, ids)]
+    episode.turns += 1
+    episode.tool_calls += sample.stop_reason in stops
+    return tokenizer.decode(ids, skip_special_tokens=True), bool(ids) and ids[-1] == tokenizer.eos_token_id
+
+
+def _step(episode: _Episode, action: tuple[str, bool]) -> tuple[str, float, bool] | None:
+    """The environment's answer; None when its step raised (user code must not end the run)."""
+    try:
+        observation, reward, done = episode.env.step(action[0])
+        return str(observation), float(reward), bool(done)
+    except Exception:
+        return None
+
+
+def _answer(episode: _Episode, result, at_eos: bool, turn: int, tokenizer, cfg: EnvConfig) -> None:
+    if result is None:
+        episode.end_reason = "env_error"
+        return
+    observation, reward, done = result
+    episode.reward += reward
+    if done:
+        episode.end_reason = "done"
+    elif turn + 1 == cfg.max_turns:
+        episode.end_reason = "max_turns"
+    else:
+        ids = _observation_ids(tokenizer, observation, at_eos, getattr(episode.env, "observation_role", "user"),
+                               cfg.max_observation_tokens)
+        if len(episode.ids) + len(ids) >= cfg.max_episode_tokens:
+            episode.end_reason = "budget"
+            return
+        episode.ids += ids
+        episode.model_mask += [0] * len(ids)
+        episode.logprobs += [0.0] * len(ids)
+
+
+def _observation_ids(tokenizer, text: str, new_message: bool, role: str, max_tokens: int) -> list[int]:
+    """Inline (a tool result inside the model's message) or, after EOS, a chat message and the assistant header:
+    the template's text after a finished assistant message's EOS, so the header tokens are the template's own."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids[:max_tokens]
+    if not new_message:
+        return ids
+    cut = tokenizer.decode(ids)
+    before = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
+    base = tokenizer.apply_chat_template(before, tokenize=False)
+    full = tokenizer.apply_chat_template(before + [{"role": role, "content": cut}], tokenize=False,
+                                         add_generation_prompt=True)
+    after_eos = base.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)
+    return tokenizer(full[after_eos:], add_special_tokens=False).input_ids
+
+
+def _to_rollout(episodes: list[_Episode], row_ids: list[int], G: int, pad_id: int, tool_seconds: float) -> Rollout:
+    prompt_ids, prompt_mask = pad_left([e.prompt_ids for e in episodes], pad_id)
+    completion_ids, completion_mask = pad_right([e.ids for e in episodes], pad_id)
+    model_mask, _ = pad_right([e.model_mask for e in episodes], 0)
+    sampler_logprobs, _ = pad_right([e.logprobs for e in episodes], 0.0, dtype=torch.float32)
+    stats = {"return": [e.reward for e in episodes], "turns": [e.turns for e in episodes],
+             "tool_calls": [e.tool_calls for e in episodes],
+             "tool_errors": [getattr(e.env, "tool_errors", 0) for e in episodes],
+             "tool_timeouts": [getattr(e.env, "tool_timeouts", 0) for e in episodes],
+             "model_tokens": [sum(e.model_mask) for e in episodes],
+             "env_tokens": [len(e.ids) - sum(e.model_mask) for e in episodes],
+             **{f"end_{r}": [e.end_reason == r for e in episodes] for r in END_REASONS}}
+    rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs,
+                      torch.tensor([e.end_reason in ("max_turns", "budget") for e in episodes]),
+                      [r for r in row_ids for _ in range(G)], model_mask=model_mask,
+                      episode={k: torch.tensor(v, dtype=torch.float32) for k, v in stats.items()})
+    rollout.seconds["tools"] = tool_seconds
+    return rollout

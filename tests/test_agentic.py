@@ -1,0 +1,32 @@
+"""Multi-turn GRPO end to end (real torchrun, real vLLM engines): episodes with observations of both kinds, the
+trainer's logprobs of the model's tokens equal the engine's, a raising environment ends only its episode, and a
+resumed run reproduces the uninterrupted one."""
+
+from conftest import assert_same_curve, grpo_args, read_metrics, run_script
+
+STEPS = 6
+EPISODE_ARGS = ("--env.name", "tests/envs_for_tests.py:Chatter", "--env.max_turns", "3",
+                "--env.max_episode_tokens", "24", "--env.max_observation_tokens", "4",
+                "--train.steps", str(STEPS), "--ckpt.save_every", "3")
+
+
+def test_multi_turn_episodes_train_with_engine_logprob_parity_and_resume(tiny, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_script("train_grpo.py", grpo_args(tiny, straight, *EPISODE_ARGS), nproc=3)
+    metrics = read_metrics(straight)
+    assert sorted(metrics) == list(range(1, STEPS + 1))
+    for step, m in metrics.items():
+        # the context the trainer scores is the one the engine sampled from: ids as generated + observations
+        assert m["loss/logprob_gap"] < 1e-5, (step, m["loss/logprob_gap"])
+        assert m["episode/turns"] > 1.5 and m["episode/env_tokens"] > 1 and m["episode/tool_calls"] > 0, m
+        ends = sum(m[f"episode/end_{r}"] for r in ("done", "max_turns", "budget", "env_error"))
+        assert abs(ends - 1) < 1e-6
+        assert m["reward/env"] > 0 and m["reward/digit_fraction"] >= 0
+    assert sum(m["episode/end_env_error"] for m in metrics.values()) > 0     # counted; the run went on
+    assert {"eval/tool_use", "eval/tool_use_sampled"} <= set(metrics[STEPS])
+
+    args = grpo_args(tiny, resumed, *EPISODE_ARGS)
+    run_script("train_grpo.py", [*args, "--train.stop_at_step", "3"], nproc=3)
+    run_script("train_grpo.py", args, nproc=3)
+    assert_same_curve(read_metrics(resumed), metrics, range(4, STEPS + 1),
+                      keys=("reward/mean", "loss/entropy", "train/grad_norm", "episode/turns"))

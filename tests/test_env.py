@@ -1,0 +1,89 @@
+"""Multi-turn pieces without an engine: observation tokens carry no loss, the calculator never evaluates code,
+an observation is appended inline or as the template's next message, and a bad environment is a one-line error."""
+
+import pytest
+import torch
+
+from environments import Calculator, GuessNumber, calculate
+from forge_core.config import ForgeError
+from forge_core.env import EnvConfig, _observation_ids, load_env
+from forge_core.rollout import Rollout
+from train_grpo import LossConfig, grpo_loss
+
+
+def _episode_rollout(logp_env: float, sampler_env: float, ref_env: float) -> tuple[Rollout, torch.Tensor]:
+    """Two episodes of 4 tokens; token 1 and 2 of the first and token 3 of the second are an observation's."""
+    model_mask = torch.tensor([[1, 0, 0, 1], [1, 1, 1, 0]])
+    on_env = model_mask == 0
+    logp = torch.tensor([[-0.3, 0.0, 0.0, -0.9], [-0.2, -1.1, -0.4, 0.0]]).masked_fill(on_env, logp_env)
+    rollout = Rollout(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
+                      torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long),
+                      torch.full((2, 4), -0.5).masked_fill(on_env, sampler_env), torch.zeros(2, dtype=torch.bool),
+                      [0, 0], ref_logprobs=torch.full((2, 4), -0.6).masked_fill(on_env, ref_env),
+                      advantages=torch.tensor([1.0, -1.0]), model_mask=model_mask)
+    return rollout, logp.requires_grad_()
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_observation_tokens_carry_no_loss_kl_or_importance_weight(loss_type):
+    cfg = LossConfig(loss_type=loss_type, beta=0.1, importance_sampling_cap=3.0)
+    losses, grads = [], []
+    for env_values in [(-1.0, -2.0, -3.0), (-7.0, -0.1, -20.0)]:   # observation logprobs of any value
+        rollout, logp = _episode_rollout(*env_values)
+        model_tokens = rollout.loss_mask().sum().item()
+        loss, _ = grpo_loss(logp, rollout, cfg, max_tokens=4, num_micro=1, global_tokens=model_tokens, world=1)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(logp.grad)
+        assert (logp.grad[rollout.model_mask == 0] == 0).all()
+    assert losses[0] == pytest.approx(losses[1], abs=1e-7)
+    torch.testing.assert_close(grads[0], grads[1])
+    assert rollout.loss_mask().sum() == 5          # the normalisers count the model's 5 tokens, not all 8
+
+
+def test_calculator_parses_and_never_evaluates():
+    assert calculate("37*48") == "1776" and calculate("(2+3)**2 - 7/2") == "21.5" and calculate("-4//3") == "-2"
+    for bad, why in [("__import__('os').system('id')", "only numbers"), ("9**9**9", "exponent too large"),
+                     ("1/0", "division by zero"), ("1+" * 60 + "1", "too long"), ("2*", "not an arithmetic"),
+                     ("10**15*1000", "number too large")]:
+        with pytest.raises(ValueError, match=why):
+            calculate(bad)
+
+
+def test_calculator_environment_turns():
+    env = Calculator()
+    assert env.reset({"prompt": "37*48=", "answer": "1776"}) == "37*48="
+    assert env.step("<calc>37*48</calc>") == ("<result>1776</result>", 0.0, False)
+    assert env.step("<calc>37*</calc>") == ("<result>error: not an arithmetic expression</result>", 0.0, False)
+    assert env.tool_errors == 1
+    assert env.step("1776") == ("", 1.0, True)
+    assert Calculator().reset({"prompt": "p", "answer": 5}) and Calculator.stop == ["</calc>"]
+
+
+def test_guess_number_rewards_fewer_guesses():
+    env = GuessNumber()
+    env.reset({"prompt": "Guess (1-32)", "answer": "20"})
+    assert env.step("16") == ("higher", 0.0, False)
+    assert env.step("x") == ("a number, please", 0.0, False)
+    assert env.step("20") == ("", pytest.approx(0.9 ** 2), True)
+
+
+def test_observation_is_inline_or_the_templates_next_message(tiny):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "init")
+    inline = _observation_ids(tokenizer, "<result>42</result>", new_message=False, role="user", max_tokens=32)
+    assert tokenizer.decode(inline) == "<result>42</result>"
+    message = _observation_ids(tokenizer, "higher", new_message=True, role="user", max_tokens=32)
+    assert tokenizer.decode(message) == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+    cut = _observation_ids(tokenizer, "123456789", new_message=False, role="user", max_tokens=4)
+    assert tokenizer.decode(cut) == "1234"
+
+
+def test_a_bad_environment_name_is_one_line():
+    with pytest.raises(ForgeError, match=r"config error: env.name: no 'Maze' in environments.py"):
+        load_env(EnvConfig(name="Maze"))
+    with pytest.raises(ForgeError, match=r"config error: env.name: cannot import 'no_such_file.py'"):
+        load_env(EnvConfig(name="no_such_file.py:Maze"))
+    with pytest.raises(ForgeError, match=r"config error: env.name: tests/envs_for_tests.py:NoStep has no step method"):
+        load_env(EnvConfig(name="tests/envs_for_tests.py:NoStep"))
+    assert load_env(EnvConfig()) is None and load_env(EnvConfig(name="Calculator")) is Calculator
