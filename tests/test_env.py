@@ -4,7 +4,7 @@ an observation is appended inline or as the template's next message, and a bad e
 import pytest
 import torch
 
-from environments import Calculator, GuessNumber, calculate
+from environments import Calculator, GuessNumber, PythonTool, calculate
 from forge_core.config import ForgeError
 from forge_core.env import EnvConfig, _observation_ids, load_env
 from forge_core.rollout import Rollout
@@ -66,6 +66,15 @@ def test_guess_number_rewards_fewer_guesses():
     assert env.step("16") == ("higher", 0.0, False)
     assert env.step("x") == ("a number, please", 0.0, False)
     assert env.step("20") == ("", pytest.approx(0.9 ** 2), True)
+
+
+def test_python_tool_runs_model_code_in_the_sandbox():
+    env = PythonTool()
+    assert env.reset({"question": "What is 12*7?", "answer": "12*7 = <<12*7=84>>84\n#### 84"}).endswith("12*7?")
+    assert env.step("Let me compute.<python>print(12*7)</python>") == ("<output>84</output>", 0.0, False)
+    observation, _, done = env.step("<python>import socket; socket.create_connection(('127.0.0.1', 22))</python>")
+    assert "Network is unreachable" in observation and "exit code 1" in observation and not done
+    assert env.step("It is 84.\n#### 84") == ("", 1.0, True) and env.tool_errors == 1 and env.tool_timeouts == 0
 
 
 def test_observation_is_inline_or_the_templates_next_message(tiny):

@@ -18,21 +18,22 @@ def _pipeline(tmp_path, task: str, sft_config: str, grpo_config: str, sft_steps:
                    check=True, cwd=REPO, capture_output=True)
     paths = ["--data.path", str(data / "data" / "train.jsonl"), "--data.eval_path", str(data / "data" / "eval.jsonl")]
     run_script("train_sft.py", ["--config", sft_config, "--model.path", str(data / "init"), *paths,
-                                "--train.steps", str(sft_steps), "--out_dir", str(tmp_path / "sft")], nproc=2)
+                                "--train.steps", str(sft_steps), "--train.eval_every", "0", "--data.eval_rows", "16",
+                                "--out_dir", str(tmp_path / "sft")], nproc=2)
     grpo = run_script("train_grpo.py", ["--config", grpo_config, "--model.path", str(tmp_path / "sft" / "hf"), *paths,
                                         "--train.steps", str(grpo_steps), "--train.eval_every", "0",
-                                        "--data.eval_rows", "100", "--out_dir", str(tmp_path / "grpo"), *grpo_extra],
+                                        "--data.eval_rows", "64", "--out_dir", str(tmp_path / "grpo"), *grpo_extra],
                       nproc=3)
     return read_metrics(tmp_path / "sft"), grpo
 
 
 def test_default_pipeline_grpo_lifts_greedy_and_sampled_accuracy(tmp_path):
-    sft, grpo = _pipeline(tmp_path, "addition", "configs/sft/tiny.yaml", "configs/grpo/tiny.yaml", 500, 20)
+    sft, grpo = _pipeline(tmp_path, "addition", "configs/sft/tiny.yaml", "configs/grpo/tiny.yaml", 500, 15)
     assert sft[500]["train/loss"] < 0.6 * sft[20]["train/loss"]
     greedy_start, greedy_end, sampled_start, sampled_end, steps = map(float, ACCURACY.findall(grpo.stdout)[-1])
     assert greedy_start < 0.6, "SFT must leave GRPO room: it imitates the teacher's slips"
     assert greedy_end > greedy_start + 0.1 and sampled_end > sampled_start + 0.1, grpo.stdout[-600:]
-    assert steps == 20 and "summary: 20 GRPO steps" in grpo.stdout
+    assert steps == 15 and "summary: 15 GRPO steps" in grpo.stdout
 
 
 def test_calculator_pipeline_learns_to_use_the_tool(tmp_path):

@@ -135,16 +135,3 @@ def test_sft_then_grpo_configs_run_on_smollm2(smollm2, problems, tmp_path):
     assert set(grpo) >= {1, 2} and grpo[2]["reward/errors"] == 0
     assert 0 <= grpo[2]["eval/accuracy"] <= 1 and "held-out accuracy:" in proc.stdout
 
-
-def test_python_tool_config_runs_on_smollm2(smollm2, problems, tmp_path):
-    """2 agentic GRPO steps: SmolLM2's episodes run its `<python>` calls in the sandbox (whatever it writes)."""
-    data = ["--data.path", str(problems / "train.jsonl"), "--data.eval_path", str(problems / "eval.jsonl")]
-    proc = run_script("train_grpo.py", ["--config", "configs/grpo/smollm2_python_tool.yaml", "--model.path",
-                                        str(smollm2), *data, "--out_dir", str(tmp_path), "--train.steps", "2",
-                                        "--train.prompts_per_step", "2", "--sampling.num_generations", "2",
-                                        "--sampling.max_tokens", "32", "--env.max_episode_tokens", "80",
-                                        "--data.eval_rows", "2"], nproc=2)
-    metrics = read_metrics(tmp_path)
-    assert set(metrics) >= {1, 2} and metrics[2]["episode/turns"] >= 1
-    assert abs(sum(metrics[2][f"episode/end_{r}"] for r in ("done", "max_turns", "budget", "env_error")) - 1) < 1e-6
-    assert "tool use:" in proc.stdout
