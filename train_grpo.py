@@ -250,7 +250,7 @@ def reference_answerer(cfg: GRPOConfig, roles: Roles) -> Callable[[dict], dict]:
         per_rank = math.ceil(n / R)
         mine = [min(i, n - 1) for i in range(me * per_rank, (me + 1) * per_rank)]
         part = Rollout(batch["prompt_ids"][mine], batch["prompt_mask"][mine], batch["completion_ids"][mine],
-                       batch["completion_mask"][mine], None, None, [])
+                       batch["completion_mask"][mine], None, None, [batch["row_ids"][i] for i in mine])
         with torch.no_grad():
             logprobs = micro_batched_logprobs(model, part, cfg.train.micro_batch_size, cfg.sampling.temperature)
         keep = [k for k, i in enumerate(mine) if i == me * per_rank + k]

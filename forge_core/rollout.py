@@ -169,7 +169,10 @@ def shared_prompt_rows(part: Rollout) -> SharedPromptRows:
     boolean, which the default `sdpa` attention takes as is (eager attention would add it to the scores)."""
     n, P = part.prompt_ids.shape
     C, device = part.completion_ids.shape[1], part.prompt_ids.device
-    _, group, counts = torch.unique_consecutive(torch.cat([part.prompt_ids, part.prompt_mask], 1), dim=0,
+    # a group is one data row's consecutive samples: rows with the same prompt (a game's fixed first message) stay
+    # apart, or one row would hold every episode of the batch and its attention mask grow with their square
+    row_ids = torch.tensor(part.row_ids, device=device)[:, None]
+    _, group, counts = torch.unique_consecutive(torch.cat([part.prompt_ids, part.prompt_mask, row_ids], 1), dim=0,
                                                 return_inverse=True, return_counts=True)
     first = counts.cumsum(0) - counts                                   # [u] first sequence of each group
     lengths = part.completion_mask.sum(1)                               # [n]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from forge_core.rollout import Rollout
+from forge_core.rollout import Rollout, shared_prompt_rows
 from train_grpo import LossConfig, group_advantages, grpo_loss, kl_penalty, token_logprobs, zero_variance_groups
 
 
@@ -100,7 +100,7 @@ def ragged_rollout() -> Rollout:
     completion_ids = torch.tensor([c + [0] * (C - len(c)) for c in COMPLETIONS])
     completion_mask = torch.tensor([[1] * len(c) + [0] * (C - len(c)) for c in COMPLETIONS])
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, torch.zeros(6, C),
-                   torch.zeros(6, dtype=torch.bool), list(range(6)))
+                   torch.zeros(6, dtype=torch.bool), list(GROUP_OF))
 
 
 def test_token_logprobs_with_shared_prompts_equal_one_sequence_at_a_time():
@@ -116,6 +116,15 @@ def test_token_logprobs_with_shared_prompts_equal_one_sequence_at_a_time():
             torch.testing.assert_close(logp[s, :len(c)], want, atol=1e-5, rtol=0)
             torch.testing.assert_close(entropy[s, :len(c)], -(alone.exp() * alone).sum(-1), atol=1e-5, rtol=0)
     assert torch.isfinite(logp).all() and torch.isfinite(entropy).all()
+    assert shared_prompt_rows(part).input_ids.shape[0] == 2                # one row per group
+
+
+def test_rows_with_the_same_prompt_are_not_packed_together():
+    """A game's episodes all start from one message: each data row's group gets its own packed row, else one row
+    would hold the whole batch (its attention mask grows with the square of that)."""
+    part = ragged_rollout()
+    part.prompt_ids[:], part.prompt_mask[:] = part.prompt_ids[0], part.prompt_mask[0]
+    assert shared_prompt_rows(part).input_ids.shape[0] == 2
 
 
 def test_a_dropped_group_leaves_the_loss_not_the_layout():
