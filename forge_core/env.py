@@ -38,7 +38,7 @@ import torch
 
 from .config import ForgeError, import_symbol
 from .data import chat_prompt_ids
-from .rollout import Rollout, SamplingConfig, pad_left, pad_right
+from .rollout import Rollout, SamplingConfig, pad_left, pad_right, sampled_logprobs, sampling_params
 
 __all__ = ["EnvConfig", "END_REASONS", "load_env", "run_episodes"]
 
@@ -83,7 +83,6 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
     """G episodes per row (1 when greedy), played turn by turn: each turn is one batched `generate` over the
     episodes still running, then their environment steps in parallel. The Rollout's completion is everything
     after the first prompt; `episode` holds per-episode statistics (return, turns, tool calls, end reason)."""
-    from vllm import SamplingParams
     G = 1 if greedy else sampling.num_generations
     stops = list(getattr(env_class, "stop", []))
     episodes = [_Episode(env_class(), []) for _ in rows for _ in range(G)]
@@ -97,10 +96,8 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
             running = [e for e in episodes if e.end_reason is None]
             if not running:
                 break
-            params = [SamplingParams(n=1, max_tokens=min(sampling.max_tokens, cfg.max_episode_tokens - len(e.ids)),
-                                     logprobs=0, stop=stops, include_stop_str_in_output=True,
-                                     temperature=0.0 if greedy else sampling.temperature,
-                                     top_p=1.0 if greedy else sampling.top_p, top_k=-1 if greedy else sampling.top_k)
+            params = [sampling_params(sampling, greedy, n=1, stop=stops, include_stop_str_in_output=True,
+                                      max_tokens=min(sampling.max_tokens, cfg.max_episode_tokens - len(e.ids)))
                       for e in running]
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed + turn)
@@ -120,7 +117,7 @@ def _take_turn(episode: _Episode, sample, tokenizer, stops: list[str]) -> tuple[
     ids = list(sample.token_ids)
     episode.ids += ids
     episode.model_mask += [1] * len(ids)
-    episode.logprobs += [lp[tok].logprob for lp, tok in zip(sample.logprobs, ids)]
+    episode.logprobs += sampled_logprobs(sample)
     episode.turns += 1
     episode.tool_calls += sample.stop_reason in stops
     return tokenizer.decode(ids, skip_special_tokens=True), bool(ids) and ids[-1] == tokenizer.eos_token_id

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["EngineConfig", "SamplingConfig", "Rollout", "build_engine", "join_engine_groups", "close_engines",
-           "generate", "pad_left", "pad_right", "SharedPromptRows", "shared_prompt_rows"]
+           "generate", "sampling_params", "sampled_logprobs", "pad_left", "pad_right", "SharedPromptRows", "shared_prompt_rows"]
 
 
 @dataclass
@@ -113,11 +113,8 @@ def generate(engine, prompts: list[list[int]], row_ids: list[int], cfg: Sampling
     The engine samples with this process's torch RNG, seeded per call, so a resumed run draws the same
     samples (per-request seeds would make vLLM's sampler loop over requests in Python every step). One
     request per prompt asks for its G samples (`n`): vLLM then prepares each prompt once, not G times."""
-    from vllm import SamplingParams
     G = 1 if greedy else cfg.num_generations
-    params = SamplingParams(n=G, max_tokens=cfg.max_tokens, logprobs=0, detokenize=False,
-                            temperature=0.0 if greedy else cfg.temperature,
-                            top_p=1.0 if greedy else cfg.top_p, top_k=-1 if greedy else cfg.top_k)
+    params = sampling_params(cfg, greedy, n=G, max_tokens=cfg.max_tokens, detokenize=False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         outputs = engine.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
@@ -125,13 +122,26 @@ def generate(engine, prompts: list[list[int]], row_ids: list[int], cfg: Sampling
     for sample in (sample for out in outputs for sample in out.outputs):
         ids = list(sample.token_ids)
         completions.append(ids)
-        logprobs.append([lp[tok].logprob for lp, tok in zip(sample.logprobs, ids)])
+        logprobs.append(sampled_logprobs(sample))
         truncated.append(sample.finish_reason == "length")
     prompt_ids, prompt_mask = (t.repeat_interleave(G, 0) for t in pad_left(prompts, pad_id))
     completion_ids, completion_mask = pad_right(completions, pad_id)    # C = this batch's longest completion
     sampler_logprobs, _ = pad_right(logprobs, 0.0, dtype=torch.float32)
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs,
                    torch.tensor(truncated), [r for r in row_ids for _ in range(G)])
+
+
+def sampling_params(cfg: SamplingConfig, greedy: bool, **fixed):
+    """vLLM's SamplingParams at the config's temperature, top-p and top-k (greedy: T=0), with the sampled
+    tokens' logprobs; `fixed` sets the rest (n, max_tokens, stop strings, ...)."""
+    from vllm import SamplingParams
+    return SamplingParams(logprobs=0, temperature=0.0 if greedy else cfg.temperature,
+                          top_p=1.0 if greedy else cfg.top_p, top_k=-1 if greedy else cfg.top_k, **fixed)
+
+
+def sampled_logprobs(sample) -> list[float]:
+    """The engine's logprob of each token it sampled (one vLLM CompletionOutput)."""
+    return [lp[tok].logprob for lp, tok in zip(sample.logprobs, sample.token_ids)]
 
 
 def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
