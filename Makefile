@@ -13,7 +13,15 @@ SFT_SEED := --train.seed $(SEED) --out_dir runs/sft-tiny-seed$(SEED)
 GRPO_SEED := --train.seed $(SEED) --model.path runs/sft-tiny-seed$(SEED)/hf --out_dir runs/grpo-tiny-seed$(SEED)
 endif
 
-.PHONY: setup run run-agent run-smol test bench
+# SFT (2 ranks) then GRPO (3 ranks: policy | reference | reward), and the seconds both took
+define sft_then_grpo
+@start=$$(date +%s) && \
+$(BIN)/torchrun --standalone --nproc_per_node 2 train_sft.py --config $(1) && \
+$(BIN)/torchrun --standalone --nproc_per_node 3 train_grpo.py --config $(2) && \
+echo "make $@: SFT + GRPO took $$(( $$(date +%s) - start )) s"
+endef
+
+.PHONY: setup run run-agent run-guess run-smol test bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -32,20 +40,21 @@ artifacts/tiny/init/config.json: tools/build_tiny.py forge_core/data.py | setup
 # The default pipeline: build the tiny model and task, SFT it (2 ranks), GRPO it (3 ranks: policy |
 # reference | reward); GRPO prints held-out accuracy before and after.
 run: setup artifacts/tiny/init/config.json
-	@start=$$(date +%s) && \
-	$(BIN)/torchrun --standalone --nproc_per_node 2 train_sft.py --config configs/sft/tiny.yaml $(SFT_SEED) && \
-	$(BIN)/torchrun --standalone --nproc_per_node 3 train_grpo.py --config configs/grpo/tiny.yaml $(GRPO_SEED) && \
-	echo "make run: SFT + GRPO took $$(( $$(date +%s) - start )) s"
+	$(call sft_then_grpo,configs/sft/tiny.yaml $(SFT_SEED),configs/grpo/tiny.yaml $(GRPO_SEED))
 
 artifacts/tiny_calculator/init/config.json: tools/build_tiny.py forge_core/data.py | setup
 	$(BIN)/python tools/build_tiny.py --task calculator --out artifacts/tiny_calculator
 
 # Agentic GRPO: SFT on a few calculator-call traces (2 ranks), then GRPO with the Calculator environment (3 ranks)
 run-agent: setup artifacts/tiny_calculator/init/config.json
-	@start=$$(date +%s) && \
-	$(BIN)/torchrun --standalone --nproc_per_node 2 train_sft.py --config configs/sft/tiny_calculator.yaml && \
-	$(BIN)/torchrun --standalone --nproc_per_node 3 train_grpo.py --config configs/grpo/tiny_calculator.yaml && \
-	echo "make run-agent: SFT + GRPO took $$(( $$(date +%s) - start )) s"
+	$(call sft_then_grpo,configs/sft/tiny_calculator.yaml,configs/grpo/tiny_calculator.yaml)
+
+artifacts/tiny_guess/init/config.json: tools/build_tiny.py forge_core/data.py | setup
+	$(BIN)/python tools/build_tiny.py --task guess --out artifacts/tiny_guess
+
+# A feedback game over chat turns: SFT on a random but consistent guesser's games (2 ranks), then GRPO (3 ranks)
+run-guess: setup artifacts/tiny_guess/init/config.json
+	$(call sft_then_grpo,configs/sft/tiny_guess.yaml,configs/grpo/tiny_guess.yaml)
 
 artifacts/smollm2-135m/converted.json: | setup
 	$(BIN)/python tools/convert_smollm2.py --out artifacts/smollm2-135m

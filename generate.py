@@ -16,9 +16,9 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")    # the chat and the printed JSONL stay readable
 
-from forge_core.config import ForgeError, load_config, run_main
+from forge_core.config import ForgeError, load_config
 from forge_core.data import chat_prompt_ids, read_rows, require_fields
-from forge_core.dist import close_dist, exchange, init_dist
+from forge_core.dist import close_dist, exchange, init_dist, run_main
 from forge_core.model import ModelConfig, load_tokenizer
 from forge_core.rollout import EngineConfig, SamplingConfig, build_engine, close_engines
 

@@ -7,10 +7,17 @@
       weights: [1.0, 0.1]
     # or a function in your own file / module:   functions: ["my_rewards.py:brevity", "mypkg.scoring:judge"]
 
-A function that raises scores 0 for that sample and is counted in `reward/errors`; the run continues.
+Functions run in worker processes (`rewards.workers`, forge_core/sandbox.py): one that raises or returns no finite
+number scores 0 for that sample and is counted in `reward/errors`; one that runs past `rewards.timeout_s` or kills
+its process scores 0 and is counted in `reward/timeouts` or `reward/errors`. The run continues.
 """
 
 import re
+
+try:    # optional (pip install math-verify). Imported with this file: a reward worker pays it at start-up, not in
+    from math_verify import parse, verify     # its first call, where it would count against rewards.timeout_s
+except ImportError:
+    parse = verify = None
 
 __all__ = ["addition_correct", "gsm8k_correct", "math_correct", "format_no_extra_text", "extract_gsm8k_answer"]
 
@@ -45,13 +52,12 @@ def gsm8k_correct(completion: str, row: dict) -> float:
 
 def math_correct(completion: str, row: dict) -> float:
     """Symbolic equivalence with math-verify (pip install math-verify); exact GSM8K match without it."""
-    try:
-        from math_verify import parse, verify
-    except ImportError:
+    if verify is None:
         return gsm8k_correct(completion, row)
     answer = re.sub(r"</?answer>", "", completion)
     gold = str(row["answer"]).split("####")[-1]
-    # math-verify's timeout uses signals, which only work in the main thread
+    # math-verify's own timeout is a signal, which cannot stop a long C call (`9**9**9**9`); rewards.timeout_s
+    # bounds the call instead, by killing its worker
     return float(verify(parse(gold), parse(answer), timeout_seconds=None))
 
 

@@ -19,19 +19,21 @@ from typing import Callable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
+from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from torch import Tensor
 
 from forge_core.ckpt import CheckpointConfig, Checkpointer
-from forge_core.config import ForgeError, config_to_dict, import_symbol, load_config, run_main
+from forge_core.config import ForgeError, config_to_dict, import_symbol, load_config
 from forge_core.data import chat_prompt_ids, read_rows, require_fields, sample_indices
 from forge_core.env import EnvConfig, load_env, run_episodes
 from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, init_roles, release, role_ranks,
-                              wait_idle)
+                              run_main, set_phase, wait_idle)
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
-from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
+from forge_core.model import (BadSteps, FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
                               load_tokenizer, optimizer_step, set_gradient_sync, shard)
-from forge_core.rollout import (EngineConfig, Rollout, SamplingConfig, build_engine, close_engines, generate,
-                                join_engine_groups, shared_prompt_rows)
+from forge_core.rollout import (EngineConfig, Rollout, SamplingConfig, build_engine, check_kv_cache, close_engines,
+                                generate, join_engine_groups, shared_prompt_rows)
+from forge_core.sandbox import FunctionPool
 from forge_core.sync import WeightSync
 
 
@@ -44,7 +46,7 @@ class PromptDataConfig:
     answer_field: str = "answer"                     # handed to reward functions as row[answer_field]
     eval_path: str = "artifacts/tiny/data/eval.jsonl"
     eval_split: str = "test"                         # for a `datasets` name
-    eval_rows: int = 200
+    eval_rows: PositiveInt = 200
 
 
 @dataclass
@@ -55,33 +57,38 @@ class RewardConfig:
                                         # (with an env: "env", the mean episode return)
     model_path: str | None = None       # optional HF sequence-classification reward model (on reward ranks)
     model_weight: float = 1.0
+    workers: PositiveInt = 2            # processes that call the functions, isolated (forge_core/sandbox.py)
+    timeout_s: PositiveFloat = 5.0      # per call: then its worker is killed and replaced, and the call scores 0
+    step_timeout_s: PositiveFloat = 60.0  # per step: calls not done by then score 0 (all counted in reward/timeouts)
+    memory_mb: PositiveInt = 2048       # address space of each worker (RLIMIT_AS)
 
 
 @dataclass
 class LossConfig:
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    epsilon: float = 0.2                # clip range: ratio in [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: float | None = None   # clip-higher (DAPO); None = epsilon
-    beta: float = 0.0                   # KL weight; 0 means the reference ranks do nothing
+    epsilon: NonNegativeFloat = 0.2     # clip range: ratio in [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: NonNegativeFloat | None = None   # clip-higher (DAPO); None = epsilon
+    beta: NonNegativeFloat = 0.0        # KL weight; 0 means the reference ranks do nothing
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     scale_rewards: Literal["group", "batch", "none"] = "group"   # "none" = Dr. GRPO advantages
     drop_zero_variance_groups: bool = False   # dynamic sampling: groups whose rewards are all equal get no loss
-    num_iterations: int = 1             # PPO epochs over each generation batch
-    importance_sampling_cap: float = 3.0  # truncated IS weight between trainer and vLLM logprobs; 0 = off
+    num_iterations: PositiveInt = 1     # PPO epochs over each generation batch
+    importance_sampling_cap: NonNegativeFloat = 3.0  # truncated IS weight between trainer and vLLM logprobs; 0 = off
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
-    prompts_per_step: int = 16          # B over all policy ranks; each yields G sequences
-    mini_batches: int = 1               # optimizer steps per generation batch and iteration
-    micro_batch_size: int = 64          # sequences per forward on one rank
-    sync_every: int = 1                 # weight sync to the engines every k steps
+    steps: PositiveInt = 100
+    prompts_per_step: PositiveInt = 16  # B over all policy ranks; each yields G sequences
+    mini_batches: PositiveInt = 1       # optimizer steps per generation batch and iteration
+    micro_batch_size: PositiveInt = 64  # sequences per forward on one rank
+    sync_every: PositiveInt = 1         # weight sync to the engines every k steps
     one_step_off: bool = False          # reward/reference ranks score step t while the policy trains on t-1
     seed: int = 0
-    log_every: int = 1
-    eval_every: int = 50                # held-out greedy accuracy; also before the first step and at the end
+    log_every: PositiveInt = 1
+    eval_every: NonNegativeInt = 50     # held-out greedy accuracy; also before the first step and at the end
     stop_at_step: int | None = None     # end this run early, as a preemption would; the schedule still spans `steps`
+    max_bad_steps: PositiveInt = 5      # steps in a row whose update is skipped (non-finite loss) before the run stops
 
 
 @dataclass
@@ -181,6 +188,7 @@ def token_logprobs(model, part: Rollout, temperature: float, with_entropy: bool 
 # ---- roles: the reward and reference ranks answer the policy ranks ----
 
 def load_reward_functions(cfg: RewardConfig) -> dict[str, Callable[[str, dict], float]]:
+    """The functions, imported here to check the names; training calls them in a `reward_pool`'s workers."""
     functions = {spec.rpartition(":")[2]: import_symbol(spec, "rewards", "rewards.functions") for spec in cfg.functions}
     for name, fn in functions.items():
         if not callable(fn):
@@ -191,20 +199,22 @@ def load_reward_functions(cfg: RewardConfig) -> dict[str, Callable[[str, dict], 
     return functions
 
 
-def score(completions: list[str], rows: list[dict], functions: dict, weights: list[float]) -> tuple:
-    """Weighted sum of the reward functions per completion, each function's value, and per completion the
-    number of functions that raised (they score 0: a user's reward must not end the run)."""
-    terms = {name: [] for name in functions}
-    errors = [0] * len(completions)
-    for i, (text, row) in enumerate(zip(completions, rows)):
-        for name, fn in functions.items():
-            try:
-                terms[name].append(float(fn(text, row)))
-            except Exception:
-                terms[name].append(0.0)
-                errors[i] += 1
-    total = [sum(w * terms[n][i] for n, w in zip(functions, weights)) for i in range(len(completions))]
-    return total, terms, errors
+def reward_pool(cfg: RewardConfig) -> FunctionPool:
+    return FunctionPool(cfg.functions, "rewards", "rewards.functions", cfg.workers, cfg.timeout_s, cfg.memory_mb)
+
+
+def score(completions: list[str], rows: list[dict], pool: FunctionPool, cfg: RewardConfig) -> dict[str, list]:
+    """Per completion the weighted sum of the reward functions and its calls that failed, scored 0 ("errors":
+    raised or gave no finite number, "timeouts": out of time); per function its values ("terms")."""
+    names = [spec.rpartition(":")[2] for spec in cfg.functions]
+    weights, F = cfg.weights or [1.0] * len(names), len(names)
+    outcomes = pool.map([(f, (text, row)) for text, row in zip(completions, rows) for f in range(F)],
+                        cfg.step_timeout_s)
+    per_text = [outcomes[i * F:(i + 1) * F] for i in range(len(completions))]
+    return {"rewards": [sum(w * o.value for w, o in zip(weights, calls)) for calls in per_text],
+            "terms": {name: [calls[f].value for calls in per_text] for f, name in enumerate(names)},
+            "errors": [sum(o.failure == "error" for o in calls) for calls in per_text],
+            "timeouts": [sum(o.failure == "timeout" for o in calls) for calls in per_text]}
 
 
 def serve(answer: Callable[[dict], dict], steps: range, one_step_off: bool, roles: Roles) -> None:
@@ -212,6 +222,7 @@ def serve(answer: Callable[[dict], dict], steps: range, one_step_off: bool, role
     One step off, the answer sent at step t is the one computed for step t-1 while the policy trained."""
     group = roles.groups["scoring"]
     ready = None
+    set_phase("score")                  # between the exchanges
     for _ in range(len(steps) + one_step_off):
         gathered = exchange(None, group)
         batch = merge_rollouts(gathered) if any(p is not None for p in gathered) else None
@@ -224,18 +235,17 @@ def serve(answer: Callable[[dict], dict], steps: range, one_step_off: bool, role
 
 def reward_answerer(cfg: GRPOConfig, roles: Roles, tokenizer, rows: list[dict]) -> Callable[[dict], dict]:
     """Reward ranks score their share of all sequences (i % R) with the reward functions (+ reward model)."""
-    functions = load_reward_functions(cfg.rewards)
-    weights = cfg.rewards.weights or [1.0] * len(functions)
+    pool = reward_pool(cfg.rewards)
     reward_model = RewardModel(cfg, roles) if cfg.rewards.model_path else None
     me, R = roles.reward_ranks.index(roles.rank), len(roles.reward_ranks)
 
     def answer(batch: dict) -> dict:
         mine = list(range(me, len(batch["row_ids"]), R))
         texts = tokenizer.batch_decode(batch["completion_ids"][mine], skip_special_tokens=True)
-        total, terms, errors = score(texts, [rows[batch["row_ids"][i]] for i in mine], functions, weights)
+        s = score(texts, [rows[batch["row_ids"][i]] for i in mine], pool, cfg.rewards)
         if reward_model is not None:
-            total = [t + cfg.rewards.model_weight * m for t, m in zip(total, reward_model(batch, mine))]
-        return {"index": mine, "rewards": total, "terms": terms, "errors": errors}
+            s["rewards"] = [t + cfg.rewards.model_weight * m for t, m in zip(s["rewards"], reward_model(batch, mine))]
+        return {"index": mine, **s}
     return answer
 
 
@@ -302,7 +312,9 @@ def receive_scores(rollout: Rollout | None, roles: Roles, cfg: GRPOConfig, local
         return
     n = len(rollout)
     offset = roles.policy_ranks.index(roles.rank) * n         # every policy rank has the same count
-    rewards, errors, terms = torch.zeros(n), torch.zeros(n), {}
+    if not roles.reward_ranks:        # no reward ranks: rule rewards run right here
+        answers.append({"index": list(range(offset, offset + n)), **local_rewards(rollout)})
+    rewards, errors, timeouts, terms = torch.zeros(n), torch.zeros(n), torch.zeros(n), {}
     ref = torch.zeros_like(rollout.sampler_logprobs)
     for answer in filter(None, answers):
         index = torch.tensor(answer["index"], dtype=torch.long) - offset
@@ -311,15 +323,15 @@ def receive_scores(rollout: Rollout | None, roles: Roles, cfg: GRPOConfig, local
         if "rewards" in answer:
             rewards[at] = torch.tensor(answer["rewards"], dtype=torch.float32)[mine]
             errors[at] = torch.tensor(answer["errors"], dtype=torch.float32)[mine]
+            timeouts[at] = torch.tensor(answer["timeouts"], dtype=torch.float32)[mine]
             for name, values in answer["terms"].items():
                 terms.setdefault(name, torch.zeros(n))[at] = torch.tensor(values, dtype=torch.float32)[mine]
         else:
             ref[at] = answer["ref_logprobs"][mine][:, :ref.shape[1]]     # the merged batch may be wider
-    if not roles.reward_ranks:        # no reward ranks: rule rewards run right here
-        rewards, errors, terms = local_rewards(rollout)
     if rollout.episode:               # the environment's return, summed over the episode's steps
         rewards, terms = rewards + rollout.episode["return"], terms | {"env": rollout.episode["return"]}
-    rollout.rewards, rollout.reward_terms, rollout.reward_errors = rewards, terms, errors
+    rollout.rewards, rollout.reward_terms = rewards, terms
+    rollout.reward_errors, rollout.reward_timeouts = errors, timeouts
     rollout.ref_logprobs = ref if cfg.loss.beta > 0 else None
 
 
@@ -377,7 +389,8 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
 
 def rollout_metrics(rollout: Rollout, roles: Roles, accuracy_fn: str) -> dict[str, float]:
     r = rollout.rewards
-    sums = {"n": len(rollout), "r": r.sum().item(), "r2": (r ** 2).sum().item(), "errors": rollout.reward_errors.sum().item(),
+    sums = {"n": len(rollout), "r": r.sum().item(), "r2": (r ** 2).sum().item(),
+            "errors": rollout.reward_errors.sum().item(), "timeouts": rollout.reward_timeouts.sum().item(),
             "len": rollout.completion_mask.sum().item(), "trunc": rollout.truncated.sum().item(),
             "dropped": 0.0 if rollout.kept is None else (~rollout.kept).sum().item(),
             **{f"term/{k}": v.sum().item() for k, v in rollout.reward_terms.items()},
@@ -385,7 +398,8 @@ def rollout_metrics(rollout: Rollout, roles: Roles, accuracy_fn: str) -> dict[st
     s = reduce_metrics(sums, roles.groups["policy"])
     mean = s["r"] / s["n"]
     out = {"reward/mean": mean, "reward/std": math.sqrt(max(s["r2"] / s["n"] - mean ** 2, 0.0)),
-           "reward/errors": s["errors"], "reward/accuracy": s.get(f"term/{accuracy_fn}", 0.0) / s["n"],
+           "reward/errors": s["errors"], "reward/timeouts": s["timeouts"],
+           "reward/accuracy": s.get(f"term/{accuracy_fn}", 0.0) / s["n"],
            "completion/length": s["len"] / s["n"], "completion/truncated": s["trunc"] / s["n"],
            "train/dropped_sequences": s["dropped"] / s["n"]}
     return out | {f"reward/{k[5:]}": v / s["n"] for k, v in s.items() if k.startswith("term/")} | \
@@ -397,6 +411,7 @@ def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles, a
     """Held-out accuracy of greedy decoding, and of G samples per prompt at the training temperature: the
     reward GRPO maximises, which can rise while the most likely answer (greedy) stays. Each policy rank
     takes its share of the rows. Episodes count as solved or not (`accuracy` None), with tool use and turns."""
+    set_phase("eval")
     me, P = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks)
     index = list(range(me, len(eval_rows), P))
     out = {}
@@ -432,7 +447,8 @@ def describe_accuracy(start: dict[str, float], end: dict[str, float], cfg: GRPOC
             f"{samples} {start['eval/accuracy_sampled']:.3f} -> {end['eval/accuracy_sampled']:.3f} "
             f"(step {steps.start} -> {steps.stop})")
     if "eval/tool_use" in start:
-        line += f"\ntool use: {start['eval/tool_use']:.2f} -> {end['eval/tool_use']:.2f} of episodes (held-out, greedy)"
+        line += (f"\ntool use: {start['eval/tool_use']:.2f} -> {end['eval/tool_use']:.2f} of episodes, turns per episode "
+                 f"{start['eval/turns']:.2f} -> {end['eval/turns']:.2f} (held-out, greedy)")
     return line
 
 
@@ -447,6 +463,7 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
     waiting = None
     for step in steps:
         t0 = time.perf_counter()
+        set_phase("generate")
         index = sample_indices(step, cfg.train.prompts_per_step, num_rows, cfg.train.seed)[me * per_rank:(me + 1) * per_rank]
         rollout = sample(index, seed=cfg.train.seed + step * 1_000 + roles.rank)
         t1 = time.perf_counter()
@@ -468,19 +485,20 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
 def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_rows, steps: range,
                  ckpt: Checkpointer, policy, optim, sched) -> None:
     functions = load_reward_functions(cfg.rewards)
-    weights = cfg.rewards.weights or [1.0] * len(functions)
     env_class = load_env(cfg.env)
     accuracy_name = cfg.rewards.accuracy or ("env" if env_class else next(iter(functions)))
     accuracy = functions.get(accuracy_name)
     sample, sample_eval = (sampler(engine, tokenizer, r, cfg, env_class) for r in (rows, eval_rows))
     P, G = len(roles.policy_ranks), cfg.sampling.num_generations
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=steps.start)
+    bad_steps = BadSteps(cfg.train.max_bad_steps, log.print)
     weight_sync = WeightSync(policy, engine, cfg.engine.tensor_parallel_size)   # engine = trainer's weights
 
-    def local_rewards(rollout: Rollout):
+    pool = reward_pool(cfg.rewards) if not roles.reward_ranks else None
+
+    def local_rewards(rollout: Rollout) -> dict[str, list]:
         texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        total, terms, errors = score(texts, [rows[i] for i in rollout.row_ids], functions, weights)
-        return torch.tensor(total), torch.tensor(errors, dtype=torch.float32), {k: torch.tensor(v) for k, v in terms.items()}
+        return score(texts, [rows[i] for i in rollout.row_ids], pool, cfg.rewards)
 
     started = time.perf_counter()
     start_accuracy = evaluate(sample_eval, tokenizer, eval_rows, roles, accuracy)
@@ -500,9 +518,12 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
     last_step_end = time.perf_counter()
     for step, rollout in zip(steps, rollouts):
         t_start, sent = time.perf_counter(), rollout.seconds["score"]
+        set_phase("train")
         stats = train_on_rollout(policy, optim, sched, rollout, cfg, roles, collect_scores)
         t_train = time.perf_counter()
         done = step + 1
+        bad_steps.count(done, stats["train/grad_norm"])     # NaN when an update was skipped
+        set_phase("sync")
         sync = weight_sync() if done % cfg.train.sync_every == 0 else None
         t_sync = time.perf_counter()
 
@@ -512,7 +533,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         seconds = rollout.seconds | {"train": t_train - t_start - waited, "sync": t_sync - t_train}
         step_end = time.perf_counter()     # wall time per step: the phases, metrics, and the last step's logging
         metrics |= {f"time/{k}": v for k, v in seconds.items()} | {"time/step": step_end - last_step_end,
-                    "train/lr": sched.get_last_lr()[0],
+                    "train/lr": sched.get_last_lr()[0], "train/skipped_steps": bad_steps.total,
                     "perf/generate_tokens_per_s": gen_tokens / seconds["generate"],
                     "perf/train_tokens_per_s": stats["train/tokens"] / seconds["train"],
                     "mem/peak_gb_rank0": peak_memory_gb(roles.dist.device)}
@@ -526,9 +547,11 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
             log.log(done, metrics, ("reward/mean", "reward/accuracy", "loss/kl", "completion/length",
                                     "episode/turns", "episode/tool_calls", "perf/generate_tokens_per_s", "time/step",
                                     "eval/accuracy", "eval/accuracy_sampled", "eval/tool_use"))
+        set_phase("checkpoint")
         ckpt.maybe_save(done, steps.stop, policy, optim,
                         {"scheduler": sched.state_dict(), "config": config_to_dict(cfg)})
         last_step_end = step_end
+    set_phase("export")
     if steps.stop == cfg.train.steps:
         export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
         export_hf(policy, tokenizer, export_dir, roles.groups["policy"])
@@ -562,6 +585,7 @@ def check_config(cfg: GRPOConfig, world_size: int, ranks_per_node: int) -> None:
                          "ranks per node: an engine would span two nodes")
     if cfg.sampling.num_generations < 2:
         raise ForgeError("config error: sampling.num_generations must be >= 2 (advantages compare a group)")
+    check_kv_cache(cfg.engine, min(P, ranks_per_node) // tp)
 
 
 def main() -> None:

@@ -13,27 +13,29 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from pydantic import NonNegativeInt, PositiveInt
 
 from forge_core.ckpt import CheckpointConfig, Checkpointer
-from forge_core.config import ForgeError, config_to_dict, load_config, run_main
+from forge_core.config import ForgeError, config_to_dict, load_config
 from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, encode_sft, read_rows,
                              require_fields, sample_indices)
-from forge_core.dist import Dist, DistConfig, close_dist, init_dist
+from forge_core.dist import Dist, DistConfig, close_dist, init_dist, run_main, set_phase
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
-from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
+from forge_core.model import (BadSteps, FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
                               load_tokenizer, optimizer_step, set_gradient_sync, shard)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 600
-    batch_size: int = 64                # sequences per optimizer step, over all ranks
-    micro_batch_size: int = 32          # sequences per forward on one rank; accumulation makes up the rest
+    steps: PositiveInt = 600
+    batch_size: PositiveInt = 64        # sequences per optimizer step, over all ranks
+    micro_batch_size: PositiveInt = 32  # sequences per forward on one rank; accumulation makes up the rest
     seed: int = 0
-    log_every: int = 10
-    eval_every: int = 200               # held-out loss + greedy exact match; 0 = only at the end
-    eval_max_new_tokens: int = 16
+    log_every: PositiveInt = 10
+    eval_every: NonNegativeInt = 200    # held-out loss + greedy exact match; 0 = only at the end
+    eval_max_new_tokens: PositiveInt = 16
     stop_at_step: int | None = None     # end this run early, as a preemption would; the schedule still spans `steps`
+    max_bad_steps: PositiveInt = 5      # steps in a row whose update is skipped (non-finite loss) before the run stops
 
 
 @dataclass
@@ -160,6 +162,7 @@ def main() -> None:
         sched.load_state_dict(meta["scheduler"])
         start_step = meta["step"]
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=d.is_rank0, start_step=start_step)
+    bad_steps = BadSteps(cfg.train.max_bad_steps, log.print)
     log.print(f"sft: {len(examples)} examples ({truncated} truncated), {len(eval_rows)} held out; "
               f"{d.world_size} ranks x {cfg.train.micro_batch_size} x {accum} accumulation = "
               f"{cfg.train.batch_size} sequences/step; " + (f"resumed from {path}" if start_step else "fresh start"))
@@ -167,23 +170,28 @@ def main() -> None:
     end_step = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
     for step in range(start_step, end_step):
         t0 = time.perf_counter()
+        set_phase("train")
         rows = sample_indices(step, cfg.train.batch_size, len(examples), cfg.train.seed)[d.rank::d.world_size]
         stats = train_step(model, [examples[i] for i in rows], cfg, d, tokenizer.pad_token_id)
         lr = sched.get_last_lr()[0]
-        grad_norm = optimizer_step(model, optim, sched, cfg.optim.max_grad_norm)
+        grad_norm = optimizer_step(model, optim, sched, cfg.optim.max_grad_norm)   # skips a non-finite update
         done = step + 1
+        bad_steps.count(done, grad_norm)
         metrics = {"train/loss": stats["train/loss"], "train/lr": lr, "train/grad_norm": grad_norm,
                    "train/tokens_per_s": stats["tokens"] / (time.perf_counter() - t0),
-                   "mem/peak_gb_rank0": peak_memory_gb(d.device)}
+                   "train/skipped_steps": bad_steps.total, "mem/peak_gb_rank0": peak_memory_gb(d.device)}
         if done == cfg.train.steps or (cfg.train.eval_every and done % cfg.train.eval_every == 0):
+            set_phase("eval")
             metrics |= evaluate(model, tokenizer, eval_rows, cfg, d)
         if done % cfg.train.log_every == 0 or done == end_step or "eval/loss" in metrics:
             log.log(done, metrics, ("train/loss", "train/lr", "train/tokens_per_s", "eval/loss", "eval/exact_match"))
         meta = {"scheduler": sched.state_dict(), "samples_seen": done * cfg.train.batch_size,
                 "config": config_to_dict(cfg)}
+        set_phase("checkpoint")
         ckpt.maybe_save(done, end_step, model, optim, meta)
         if cfg.ckpt.export_every and done % cfg.ckpt.export_every == 0:
             export_hf(model, tokenizer, Path(cfg.out_dir) / f"hf_step_{done:06d}")
+    set_phase("export")
     if end_step == cfg.train.steps:
         export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
         export_hf(model, tokenizer, export_dir)

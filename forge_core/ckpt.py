@@ -1,54 +1,73 @@
-"""Distributed checkpoints (torch DCP) that a crash or `kill -9` at any moment cannot corrupt.
+"""Distributed checkpoints (torch DCP) that neither a crash, `kill -9` nor a damaged disk can cost a run.
 
 Layout under `<out_dir>/checkpoints/`: `step_000040/` holds the DCP shards of model + optimizer, one
-`rng_rank{r}.pt` per rank and `meta.json` (step, scheduler, data position, ...). A checkpoint is written as
-`step_000040.tmp/` and renamed only when complete, so a directory without `.tmp` is always loadable.
+`rng_rank{r}.pt` per rank, `meta.json` (step, scheduler, data position, ...) and, written last, `manifest.json`
+(every file's size and sha256). It is written as `step_000040.tmp/` and renamed when complete: the rename makes
+it appear whole, the manifest proves its bytes. Resume names a damaged one's file and falls back past it.
 """
 
+import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .config import ForgeError
 
-__all__ = ["CheckpointConfig", "Checkpointer", "publish_dir"]
+__all__ = ["CheckpointConfig", "Checkpointer", "publish_dir", "verify_checkpoint", "MANIFEST"]
+
+MANIFEST = "manifest.json"
 
 
 @dataclass
 class CheckpointConfig:
     save_every: int = 0                 # steps between checkpoints; 0 = only the final one
-    keep_last: int = 2                  # older checkpoints are deleted
-    resume: str = "auto"                # "auto": latest in out_dir if any; "never"; or a checkpoint directory
+    keep_last: int = 2                  # older checkpoints are deleted; >= 2 leaves one to fall back to
+    resume: str = "auto"                # "auto": the newest intact one in out_dir, if any; "never"; or a directory
     export_every: int = 0               # also export HF safetensors every N steps; 0 = only at the end
 
 
 class Checkpointer:
+    """Saves, verifies and loads checkpoints; every method is collective over `group` (None = the world)."""
+
     def __init__(self, out_dir: str | Path, cfg: CheckpointConfig, group: dist.ProcessGroup | None = None):
         self.root = Path(out_dir) / "checkpoints"
         self.cfg = cfg
         self.group = group
         self.rank = dist.get_rank()
+        self.group_rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
 
     def resume_path(self) -> Path | None:
+        """The checkpoint to resume from, checked against its manifest; the same answer on every rank."""
         if self.cfg.resume == "never":
             return None
         if self.cfg.resume != "auto":
             path = Path(self.cfg.resume)
-            if not (path / "meta.json").is_file():
-                raise ForgeError(f"checkpoint error: ckpt.resume '{path}': not a complete checkpoint "
-                                 "(no meta.json)")
+            if (problem := self._verify(path)) is not None:
+                raise ForgeError(f"checkpoint error: ckpt.resume '{path}': {problem}")
             return path
-        done = sorted(self.root.glob("step_*[0-9]")) if self.root.is_dir() else []
-        done = [p for p in done if (p / "meta.json").is_file()]
-        return done[-1] if done else None
+        damaged = []
+        for path in reversed(self._all_gather(_step_dirs(self.root))[0]):    # rank 0's list: the same on all
+            if (problem := self._verify(path)) is None:
+                return path
+            damaged.append(f"{path.name}: {problem}")
+            if self.group_rank == 0:
+                print(f"checkpoint {path} is damaged ({problem}); trying the one before it", file=sys.stderr)
+        if damaged:
+            raise ForgeError(f"checkpoint error: no intact checkpoint in {self.root} ({'; '.join(damaged)}); "
+                             "move them away to start fresh, or name one with --ckpt.resume")
+        return None
 
     def maybe_save(self, step: int, total_steps: int, model, optim, meta: dict[str, Any]) -> Path | None:
         if step == total_steps or (self.cfg.save_every and step % self.cfg.save_every == 0):
@@ -56,22 +75,19 @@ class Checkpointer:
         return None
 
     def save(self, step: int, model, optim, meta: dict[str, Any]) -> Path:
-        """Collective over `group`: DCP shards + per-rank RNG into a tmp dir, then one atomic rename."""
+        """DCP shards, per-rank RNG and meta.json into a tmp dir; every rank checksums its share of the files;
+        the manifest last; one atomic rename. A failed write (disk full, file too large) is the same
+        ForgeError on every rank, with the tmp dir removed and older checkpoints untouched."""
         final = self.root / f"step_{step:06d}"
         tmp = final.with_name(final.name + ".tmp")
-        if self.rank == 0:
+        if self.group_rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
         dist.barrier(group=self.group)
-        model_sd, optim_sd = get_state_dict(model, optim)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), process_group=self.group)
-        torch.save(_rng_state(), tmp / f"rng_rank{self.rank}.pt")
-        dist.barrier(group=self.group)
-        if self.rank == 0:
-            (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
-            publish_dir(tmp, final)
-            self._prune()
-        dist.barrier(group=self.group)
+        self._settle(final, tmp, self._attempt(self._write_state, tmp, step, model, optim, meta))
+        names = self._all_gather(sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file()))[0]   # rank 0's
+        mine = {name: _file_entry(tmp / name) for name in names[self.group_rank::self.group_size]}
+        files = dict(sorted(kv for part in self._all_gather(mine) for kv in part.items()))
+        self._settle(final, tmp, self._attempt(self._publish, tmp, final, files) if self.group_rank == 0 else None)
         return final
 
     def load(self, path: Path, model, optim) -> dict[str, Any]:
@@ -85,12 +101,116 @@ class Checkpointer:
             _set_rng_state(torch.load(rng_file, weights_only=True))
         return json.loads((path / "meta.json").read_text())
 
-    def _prune(self) -> None:
+    def _write_state(self, tmp: Path, step: int, model, optim, meta: dict[str, Any]) -> None:
+        model_sd, optim_sd = get_state_dict(model, optim)
+        writer = _Writer(tmp)
+        try:
+            dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer, process_group=self.group)
+        except CheckpointException as err:
+            raise writer.os_error or err
+        torch.save(_rng_state(), tmp / f"rng_rank{self.rank}.pt")
+        if self.group_rank == 0:
+            (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
+
+    def _publish(self, tmp: Path, final: Path, files: dict[str, dict]) -> None:
+        (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+        publish_dir(tmp, final)
+        self._prune(final)
+
+    def _attempt(self, write: Callable[..., None], *args: Any) -> str | None:
+        """Run a write; its failure (here, or through DCP on any rank) comes back as "on rank R: <error>"."""
+        try:
+            write(*args)
+        except CheckpointException as err:    # another rank's failure, which DCP raises on every rank
+            rank, (cause, _) = next(iter(err.failures.items()))
+            return f"on rank {rank}: {type(cause).__name__}: {cause}"
+        except OSError as err:
+            return f"on rank {self.group_rank}: {err}"
+        return None
+
+    def _settle(self, final: Path, tmp: Path, error: str | None) -> None:
+        """Every rank learns whether any rank's write failed; if one did, all raise the same ForgeError."""
+        errors = [e for e in self._all_gather(error) if e is not None]
+        if not errors:
+            return
+        if self.group_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier(group=self.group)    # torchrun stops every worker once one exits: clean up first
+        older = [p.name for p in _step_dirs(self.root) if p.name < final.name and (p / MANIFEST).is_file()]
+        kept = f"the previous checkpoint {older[-1]} is untouched" if older else "there is no earlier checkpoint"
+        raise ForgeError(f"checkpoint error: writing {final.name} failed {errors[0]}; {kept}")
+
+    def _verify(self, path: Path) -> str | None:
+        """`verify_checkpoint` with the reading split over the ranks; the first problem found, on every rank."""
+        problems = self._all_gather(verify_checkpoint(path, self.group_rank, self.group_size))
+        return next((p for p in problems if p is not None), None)
+
+    def _prune(self, newest: Path) -> None:
         for stale in self.root.glob("step_*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
-        done = sorted(p for p in self.root.glob("step_*[0-9]") if (p / "meta.json").is_file())
+        # Newer checkpoints are left from before a fall-back past a damaged one: they neither count nor go.
+        done = [p for p in _step_dirs(self.root) if p.name <= newest.name and (p / MANIFEST).is_file()]
         for old in done[:-self.cfg.keep_last] if self.cfg.keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        out = [None] * self.group_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def verify_checkpoint(path: Path, share: int = 0, shares: int = 1) -> str | None:
+    """Why `path` does not match its manifest ("__0_0.distcp truncated: 1234 of 5678 bytes"), or None if it
+    does. Only every `shares`-th file from `share` on is read, so that ranks can split the work."""
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST}" if path.is_dir() else "no such directory"
+    except (OSError, ValueError, KeyError) as err:
+        return f"{MANIFEST} unreadable ({err})"
+    for name, expected in sorted(files.items())[share::shares]:
+        if (problem := _file_problem(path / name, expected)) is not None:
+            return f"{name} {problem}"
+    return None
+
+
+def _file_problem(file: Path, expected: dict) -> str | None:
+    try:
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            return f"{'truncated' if size < expected['bytes'] else 'too long'}: {size} of {expected['bytes']} bytes"
+        return "checksum mismatch" if _file_entry(file) != expected else None
+    except FileNotFoundError:
+        return "missing"
+    except OSError as err:
+        return f"unreadable ({err})"
+
+
+def _file_entry(file: Path) -> dict:
+    """The file's manifest entry. sha256 is OpenSSL's, on the CPU's SHA instructions: ~3x blake2b's speed."""
+    digest, size = hashlib.sha256(), 0
+    with file.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("step_*[0-9]") if p.is_dir()) if root.is_dir() else []
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer, keeping the OSError (disk full, file too large) this rank hit: torch.save's zip writer
+    chains it under a RuntimeError ("unexpected pos"), and the copy of that which DCP raises has lost it."""
+    os_error: OSError | None = None
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except BaseException as err:
+            self.os_error = next((e for e in (err, err.__context__) if isinstance(e, OSError)), None)
+            raise
 
 
 def publish_dir(tmp: Path, final: Path) -> None:

@@ -2,13 +2,15 @@
 
     python train_sft.py --config configs/sft/tiny.yaml --optim.lr 3e-4 --train.steps 200
 
-Unknown keys and wrong types are errors that name the file and the key. User mistakes raise `ForgeError`;
-`run_main` turns one into a single line and exit code 2 instead of a traceback on every rank.
+Unknown keys, wrong types and numbers out of their field's range (`lr: PositiveFloat`) are errors that name
+the file and the key. User mistakes raise `ForgeError`; `run_main` (forge_core/dist.py) turns one into a
+single line and exit code 2 instead of a traceback on every rank.
 
 Pydantic checks the YAML against the dataclass tree, strict and in JSON mode (its lax mode takes "0.1" for a
 float, True for an int and 1 for a bool; its strict Python mode takes dataclass instances only, not mappings);
-tyro's `default=` checks nothing (a wrong type is a warning, then used as given). `_describe` words pydantic's
-first error as one line: the dotted key, the field's type, the YAML's value, or for an unknown key the closest one.
+tyro's `default=` checks nothing (a wrong type is a warning, then used as given), so the final config, flags
+applied, is checked again. `_describe` words pydantic's first error as one line: the dotted key, the field's
+type or range, the value, or for an unknown key the closest one.
 """
 
 import dataclasses
@@ -18,15 +20,16 @@ import importlib.util
 import json
 import os
 import sys
+import types
 import typing
 from pathlib import Path
-from typing import Any, Callable, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import pydantic
 import tyro
 import yaml
 
-__all__ = ["ForgeError", "load_config", "run_main", "config_to_dict", "import_symbol"]
+__all__ = ["ForgeError", "load_config", "config_to_dict", "import_symbol"]
 
 T = TypeVar("T")
 
@@ -43,8 +46,13 @@ def load_config(cls: type[T], argv: list[str] | None = None) -> T:
     if config_path is not None:
         default = _from_yaml(cls, config_path)
     is_rank0 = int(os.environ.get("RANK", "0")) == 0
-    return tyro.cli(cls, default=default, args=args, use_underscores=True, console_outputs=is_rank0,
-                    description=f"{cls.__doc__ or ''}\nA YAML base can be given with --config FILE.")
+    cfg = tyro.cli(cls, default=default, args=args, use_underscores=True, console_outputs=is_rank0,
+                   description=f"{cls.__doc__ or ''}\nA YAML base can be given with --config FILE.")
+    try:
+        _validate(cls, config_to_dict(cfg))
+    except pydantic.ValidationError as err:
+        raise ForgeError(f"config error: {_describe(cls, config_to_dict(cfg), err.errors()[0])}") from None
+    return cfg
 
 
 def config_to_dict(cfg: Any) -> dict:
@@ -70,24 +78,6 @@ def import_symbol(spec: str, default_module: str, key: str) -> Any:
     return getattr(module, name)
 
 
-def run_main(main: Callable[[], Any]) -> None:
-    """Run a script's main; a ForgeError becomes one line on stderr (tagged with the rank) and exit code 2."""
-    try:
-        main()
-    except ForgeError as err:
-        rank = os.environ.get("RANK")
-        where = f"[rank {rank}] " if rank is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"{where}{err}", file=sys.stderr, flush=True)
-        _close_process_group()
-        sys.exit(2)
-
-
-def _close_process_group() -> None:
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _pop_config_flag(args: list[str]) -> tuple[Path | None, list[str]]:
     for i, arg in enumerate(args):
         if arg == "--config":
@@ -108,16 +98,21 @@ def _from_yaml(cls: type[T], path: Path) -> T:
         raise ForgeError(f"config error: {path}: not valid YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(raw, dict):
         raise ForgeError(f"config error: {path}: the top level must be a mapping of sections")
-    # the nested stdlib dataclasses inherit this wrapper's config (TypeAdapter(cls, config=...) refuses a dataclass)
-    root = pydantic.create_model("YAMLConfig", config=(cls, ...),
-                                 __config__=pydantic.ConfigDict(extra="forbid", strict=True))
     # a section the YAML gives keeps the script's defaults for the keys it leaves out (GRPO's optim.lr is not
     # OptimConfig's): the YAML is laid over the whole default tree before it is checked
     merged = _deep_merge(config_to_dict(cls()), raw)
-    try:   # YAML's dates and timestamps, which JSON has no type for, arrive as their text
-        return root.model_validate_json(json.dumps({"config": merged}, default=str)).config
+    try:
+        return _validate(cls, merged)
     except pydantic.ValidationError as err:
-        raise ForgeError(f"config error: {path}: {_describe(cls, merged, err.errors()[0]['loc'][1:])}") from None
+        raise ForgeError(f"config error: {path}: {_describe(cls, merged, err.errors()[0])}") from None
+
+
+def _validate(cls: type[T], raw: dict) -> T:
+    # the nested stdlib dataclasses inherit this wrapper's config (TypeAdapter(cls, config=...) refuses a dataclass)
+    root = pydantic.create_model("YAMLConfig", config=(cls, ...),
+                                 __config__=pydantic.ConfigDict(extra="forbid", strict=True))
+    # YAML's dates and timestamps, which JSON has no type for, arrive as their text
+    return root.model_validate_json(json.dumps({"config": raw}, default=str)).config
 
 
 def _deep_merge(base: dict, override: dict) -> dict:
@@ -125,11 +120,11 @@ def _deep_merge(base: dict, override: dict) -> dict:
                        for k, v in override.items()}}
 
 
-def _describe(cls: type, raw: dict, loc: tuple) -> str:
-    """Pydantic's error at `loc` in our words: the field's dotted key and type (for an item of a list, the list's)
-    and the YAML's value; an unknown key gets the closest known one."""
+def _describe(cls: type, raw: dict, error: dict) -> str:
+    """Pydantic's error in our words: the field's dotted key and type or range (for an item of a list, the
+    list's) and the value; an unknown key gets the closest known one."""
     kind, value, dotted = cls, raw, []
-    for key in loc:
+    for key in error["loc"][1:]:
         if not (dataclasses.is_dataclass(kind) and isinstance(value, dict)):
             break
         hints = typing.get_type_hints(kind)
@@ -140,9 +135,16 @@ def _describe(cls: type, raw: dict, loc: tuple) -> str:
             return f"unknown key '{prefix}{key}'{hint}"
         kind, value, dotted = hints[key], value[key], [*dotted, key]
     name = ".".join(dotted)
+    if error["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        return f"'{name}' {error['msg'].replace('Input should', 'must')}, got {error['input']!r}"
     if dataclasses.is_dataclass(kind):
         return f"'{name}' must be a mapping, got {value!r}"
     if typing.get_origin(kind) is Literal:
         return f"'{name}' expects one of {', '.join(map(repr, typing.get_args(kind)))}, got {value!r}"
-    kind_name = str(kind).replace("typing.", "") if typing.get_origin(kind) else kind.__name__
-    return f"'{name}' expects {kind_name}, got {value!r}"
+    return f"'{name}' expects {_type_name(kind)}, got {value!r}"
+
+
+def _type_name(kind: Any) -> str:
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):    # `PositiveInt | None` is a typing.Union
+        return " | ".join("None" if arg is type(None) else _type_name(arg) for arg in typing.get_args(kind))
+    return str(kind).replace("typing.", "") if typing.get_origin(kind) else kind.__name__

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import PositiveInt
 
 from .config import ForgeError
 
@@ -28,8 +29,8 @@ class DataConfig:
     response_field: str = "response"
     eval_path: str | None = "artifacts/tiny/data/eval.jsonl"   # held-out rows; None: hold out eval_rows
     eval_split: str = "test"                         # for a `datasets` name
-    eval_rows: int = 200                             # held-out rows evaluated (taken from the end if no eval_path)
-    max_length: int = 256                            # longer examples are truncated (and counted)
+    eval_rows: PositiveInt = 200                     # held-out rows evaluated (taken from the end if no eval_path)
+    max_length: PositiveInt = 256                    # longer examples are truncated (and counted)
     pack: bool = False                               # pack a micro-batch's examples into fewer rows
 
 

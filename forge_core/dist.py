@@ -2,30 +2,41 @@
 
 Every rank builds every group, in the same order (torch's `new_group` is collective over the world).
 Without torchrun the same code runs as a single process (world size 1).
+
+`run_main(main)` is how a script ends when something goes wrong: a `ForgeError` becomes one line, printed once
+for the job (not once per rank), and exit code 2; a collective that fails (a rank died, or one stopped
+answering for `dist.timeout_s`) one line naming this rank, its role, its phase (`set_phase`) and where the
+other ranks were, and exit code 1, so that torchrun ends the job (and `--max-restarts` restarts it).
 """
 
 import ctypes
+import hashlib
 import os
+import re
 import socket
+import sys
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from pydantic import PositiveFloat
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ForgeError
 
 __all__ = ["Dist", "DistConfig", "Layout", "Roles", "init_dist", "init_roles", "role_ranks", "close_dist", "exchange",
-           "wait_idle", "release"]
+           "wait_idle", "release", "set_phase", "run_main"]
 
 
 @dataclass
 class DistConfig:
-    # How long a rank may wait in a collective before the run fails. Ranks wait for one another through a
-    # held-out eval, a checkpoint or the final export (GRPO's reward and reference ranks for the policy's):
-    # torch's own defaults (gloo 30 min, NCCL 10 min) can end a large model's run there.
-    timeout_minutes: float = 30.0
+    # How long a rank may wait in a collective before the job ends. Ranks wait for one another through a
+    # held-out eval, a checkpoint, the final export and the engines' start (GRPO's reward and reference ranks
+    # for the policy's), which take minutes on a large model: the default leaves room for them.
+    timeout_s: PositiveFloat = 1800.0
 
 
 @dataclass
@@ -84,6 +95,28 @@ class Roles:
         return self.rank not in self.scoring_ranks
 
 
+@dataclass
+class _Whereabouts:
+    """What this rank is doing, for the line a failure prints. Each phase is also published to the store,
+    where the rank that notices a failure reads which rank stopped answering, and in which phase."""
+    rank: int = field(default_factory=lambda: int(os.environ.get("RANK", "0")))
+    role: str = ""                      # policy | reference | reward; "" outside GRPO
+    phase: str = "start"
+    since: float = field(default_factory=time.time)
+    store: dist.Store | None = None     # None before the process group exists
+
+
+_here = _Whereabouts()
+_RANK0_GRACE_S = 10.0       # how long other ranks leave rank 0 to report an error that every rank found
+
+
+def set_phase(name: str, since: float | None = None) -> None:
+    """Name what this rank does from now on (generate, train, sync, eval, checkpoint, ...)."""
+    _here.phase, _here.since = name, since or time.time()
+    if _here.store is not None:
+        _here.store.set(f"phase/{_here.rank}", f"{_here.role}|{name}|{_here.since}")
+
+
 def init_dist(cfg: DistConfig = DistConfig()) -> Dist:
     """Join (or, without torchrun, create) the default process group and a world mesh."""
     if "RANK" not in os.environ:
@@ -97,10 +130,12 @@ def init_dist(cfg: DistConfig = DistConfig()) -> Dist:
     else:
         device, backend = torch.device("cpu"), "gloo"
         _tune_cpu_process()
-    timeout = timedelta(minutes=cfg.timeout_minutes)
+    timeout = timedelta(seconds=cfg.timeout_s)
     store = _attempt_store()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
+    _here.store = store
+    set_phase(_here.phase)
     mesh = DeviceMesh(device.type, list(range(world_size)))
     return Dist(rank, local_rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), device, mesh,
                 timeout, store)
@@ -125,6 +160,7 @@ def init_roles(layout: Layout, cfg: DistConfig = DistConfig(), reference_scores:
     policy, reference, reward = role_ranks(layout, d.world_size)
     scoring = sorted(policy + reward + (reference if reference_scores else []))
     roles = Roles(d, policy, reference, reward, scoring)
+    _here.role = "policy" if roles.is_policy else "reference" if roles.is_reference else "reward"
     for name, ranks in (("policy", policy), ("reference", reference), ("reward", reward), ("scoring", scoring)):
         roles.groups[name] = dist.new_group(ranks, timeout=d.timeout) if ranks else None   # not inherited
     if roles.is_policy:
@@ -137,14 +173,18 @@ def init_roles(layout: Layout, cfg: DistConfig = DistConfig(), reference_scores:
 def exchange(payload, group: dist.ProcessGroup | None = None) -> list:
     """Every rank contributes one picklable object and receives everyone's (rank order). It is how token
     ids go out to the reference and reward ranks and how rewards and logprobs come back."""
+    phase, since = _here.phase, _here.since
+    set_phase("exchange")
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, payload, group=group)
+    set_phase(phase, since)
     return gathered
 
 
 def wait_idle(d: Dist, key: str) -> None:
     """A rank with nothing to do waits for `release(d, key)` on the store, outside any collective: a collective
-    would time out (`DistConfig.timeout_minutes`) long before a long run ends."""
+    would time out (`dist.timeout_s`) long before a long run ends."""
+    set_phase("idle")
     d.store.wait([key], timedelta(days=365))
 
 
@@ -156,6 +196,70 @@ def close_dist() -> None:
     if dist.is_initialized():     # vLLM's shutdown may have destroyed it already
         dist.barrier()
         dist.destroy_process_group()
+
+
+def run_main(main: Callable[[], Any]) -> None:
+    """Run a script's main: a ForgeError or a failed collective ends it with one line and no traceback."""
+    try:
+        main()
+    except ForgeError as err:
+        _report(str(err), f"error/{hashlib.sha1(str(err).encode()).hexdigest()}")
+        _exit(2)
+    except RuntimeError as err:
+        if not (isinstance(err, dist.DistError) or "/gloo/" in str(err)):
+            raise
+        reason = re.sub(r"^\[[^]]*\] ", "", str(err).strip().splitlines()[0]).split(". ")[0]
+        _report(f"collective failed in phase {_here.phase} after {time.time() - _here.since:.0f} s: {reason}"
+                f"{_elsewhere()}", None)
+        time.sleep(2)       # torchrun blames the first rank to exit: if a peer died, that must stay the peer
+        _exit(1)
+
+
+def _report(message: str, key: str | None) -> None:
+    """Print `message` once for the job. Before the process group exists every rank reads the same config, so
+    rank 0 prints; the others wait first, as torchrun ends them once rank 0 has left, and print only if it
+    did not (the error was theirs alone). After, the first rank to find a message prints it (the store counts).
+    A failed collective (`key` None) is printed only if no rank reported before: then it is most likely the
+    echo of that rank's exit."""
+    first = _here.rank == 0
+    if _here.store is None and not first:
+        time.sleep(_RANK0_GRACE_S)
+        first = True
+    elif _here.store is not None:
+        try:
+            _here.store.set_timeout(timedelta(seconds=5))
+            reported_before = _here.store.add("reported", 1) > 1
+            first = _here.store.add(key, 1) == 1 if key is not None else not reported_before
+        except RuntimeError:            # the store went with its host (rank 0, on several nodes): say it anyway
+            first = True
+    if first:
+        tag = f"[{_who(_here.rank, _here.role)}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"{tag}{message}", file=sys.stderr, flush=True)
+
+
+def _elsewhere() -> str:
+    """Where the other busy ranks were, the longest in their phase first: one that stopped answering is there."""
+    try:
+        _here.store.set_timeout(timedelta(seconds=5))
+        keys = [f"phase/{r}" for r in range(int(os.environ["WORLD_SIZE"])) if r != _here.rank]
+        found = [k for k in keys if _here.store.check([k])]
+        phases = [v.decode().split("|") for v in _here.store.multi_get(found)] if found else []
+    except RuntimeError:
+        return ""
+    busy = sorted((float(since), f"{_who(int(k[6:]), role)} in {phase} for {time.time() - float(since):.0f} s")
+                  for k, (role, phase, since) in zip(found, phases) if phase != "idle")
+    return "".join(f"; {text}" for _, text in busy[:3])
+
+
+def _who(rank: int, role: str) -> str:
+    return f"rank {rank} {role}".strip()
+
+
+def _exit(code: int) -> None:
+    """Leave now: tearing down a process group or an engine after a failed collective can hang."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _attempt_store() -> dist.Store:

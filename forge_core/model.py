@@ -8,10 +8,12 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Callable, Literal
 
 import torch
 import torch.distributed as dist
+from annotated_types import Interval
+from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
@@ -22,7 +24,8 @@ from .ckpt import publish_dir
 from .config import ForgeError
 
 __all__ = ["ModelConfig", "FSDPConfig", "OptimConfig", "load_model", "load_tokenizer", "shard", "use_onednn_linears",
-           "onednn_linear", "set_gradient_sync", "build_optimizer", "optimizer_step", "export_hf", "full_state_dict"]
+           "onednn_linear", "set_gradient_sync", "build_optimizer", "optimizer_step", "BadSteps", "export_hf",
+           "full_state_dict"]
 
 
 @dataclass
@@ -39,14 +42,17 @@ class FSDPConfig:
     onednn_linear: bool = True          # CPU, fp32: nn.Linear through oneDNN (2.3x MKL on AVX-512 Zen 5; same on AVX2)
 
 
+Beta = Annotated[float, Interval(ge=0, lt=1)]
+
+
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1           # cosine decays to lr * min_lr_ratio at the last step
-    max_grad_norm: float = 1.0          # 0 disables clipping
+    lr: PositiveFloat = 1e-3
+    weight_decay: NonNegativeFloat = 0.0
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
+    warmup_steps: NonNegativeInt = 0
+    min_lr_ratio: Annotated[float, Interval(ge=0, le=1)] = 0.1   # cosine decays to lr * min_lr_ratio at the last step
+    max_grad_norm: NonNegativeFloat = 1.0   # 0 disables clipping
 
 
 def _resolve(path: str) -> str:
@@ -60,11 +66,21 @@ def _resolve(path: str) -> str:
 
 
 def load_tokenizer(cfg: ModelConfig):
+    """The model's tokenizer, once the model's directory is known to hold what a run needs, before any weights
+    load: safetensors weights, a tokenizer, and its chat template (every prompt is formatted with it)."""
     from transformers import AutoTokenizer
+    path = _resolve(cfg.path)
+    if Path(path).is_dir() and not any(Path(path).glob("*.safetensors")):
+        raise ForgeError(f"model error: model.path '{cfg.path}': no weights (*.safetensors)")
     try:
-        return AutoTokenizer.from_pretrained(_resolve(cfg.path), trust_remote_code=cfg.trust_remote_code)
-    except OSError as err:
-        raise ForgeError(f"model error: model.path '{cfg.path}': cannot load a tokenizer ({err})") from None
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        reason = " ".join(str(err).split())         # transformers' reasons run over several lines
+        raise ForgeError(f"model error: model.path '{cfg.path}': cannot load a tokenizer ({reason})") from None
+    if tokenizer.chat_template is None:
+        raise ForgeError(f"model error: model.path '{cfg.path}': the tokenizer has no chat template "
+                         "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
+    return tokenizer
 
 
 def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -178,15 +194,47 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int):
 
 
 def optimizer_step(model: nn.Module, optim, sched, max_grad_norm: float) -> float:
-    """Clip (if asked), step, advance the schedule, zero the grads; returns the pre-clip gradient norm."""
+    """Clip (if asked), step, advance the schedule, zero the grads; returns the pre-clip gradient norm.
+
+    A non-finite norm (NaN or inf in a gradient, as a non-finite loss gives) skips the update: weights and
+    Adam's moments stay as they were, the schedule advances as it would have, and the caller counts the skip
+    (`BadSteps`). An update that leaves the weights non-finite (or so large that their norm overflows) ends
+    the run before a sync, checkpoint or export carries them. Both norms are global over FSDP's shards, so
+    every rank decides the same."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    optim.step()
+    norm = _global(torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf")))
+    if math.isfinite(norm):
+        optim.step()
+        if not math.isfinite(weights := _global(torch.nn.utils.get_total_norm([p.detach() for p in params]))):
+            raise ForgeError(f"training error: an update at lr {sched.get_last_lr()[0]:.3g} took the weights out of "
+                             f"float range (their norm is {weights}); lower optim.lr")
     sched.step()
     optim.zero_grad(set_to_none=True)
-    return norm.item()
+    return norm
+
+
+def _global(norm: torch.Tensor) -> float:
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+
+
+@dataclass
+class BadSteps:
+    """Steps whose update `optimizer_step` skipped (non-finite loss or gradient norm): each one is printed
+    and counted, and `limit` in a row end the run, which then has nothing left to learn from."""
+    limit: int                          # train.max_bad_steps
+    warn: Callable[[str], None]         # MetricLogger.print
+    in_a_row: int = 0
+    total: int = 0                      # in this run (since start or resume): the `train/skipped_steps` metric
+
+    def count(self, step: int, grad_norm: float) -> None:
+        if math.isfinite(grad_norm):
+            self.in_a_row = 0
+            return
+        self.in_a_row, self.total = self.in_a_row + 1, self.total + 1
+        self.warn(f"step {step}: update skipped, gradient norm {grad_norm} ({self.in_a_row} in a row)")
+        if self.in_a_row >= self.limit:
+            raise ForgeError(f"training error: {self.in_a_row} steps in a row, up to step {step}, had a non-finite "
+                             f"loss or gradient norm (train.max_bad_steps={self.limit}); their updates were skipped")
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -6,34 +6,42 @@ generation, training and weight sync share one process and one device.
 
 import os
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
+from annotated_types import Interval
+from pydantic import PositiveFloat, PositiveInt
 from torch import Tensor
 
+from .config import ForgeError
+
 __all__ = ["EngineConfig", "SamplingConfig", "Rollout", "build_engine", "join_engine_groups", "close_engines",
-           "generate", "sampling_params", "sampled_logprobs", "pad_left", "pad_right", "SharedPromptRows", "shared_prompt_rows"]
+           "check_kv_cache", "generate", "sampling_params", "sampled_logprobs", "pad_left", "pad_right",
+           "SharedPromptRows", "shared_prompt_rows"]
+
+Share = Annotated[float, Interval(gt=0, le=1)]
 
 
 @dataclass
 class EngineConfig:
-    tensor_parallel_size: int = 1       # policy ranks per engine
+    tensor_parallel_size: PositiveInt = 1   # policy ranks per engine
     dtype: str = "auto"                 # auto: bfloat16 on GPU, float32 on CPU (what FSDP computes in)
-    gpu_memory_utilization: float = 0.3  # GPU: share of memory for vLLM (weights + KV cache); CPU ignores it
-    kv_cache_gb: float = 0.25           # CPU: KV cache size per engine
-    max_model_len: int | None = None    # default: the model's max_position_embeddings
+    gpu_memory_utilization: Share = 0.3  # GPU: share of memory for vLLM (weights + KV cache); CPU ignores it
+    kv_cache_gb: PositiveFloat = 0.25   # CPU: KV cache size per engine
+    max_model_len: PositiveInt | None = None    # default: the model's max_position_embeddings
     enforce_eager: bool = True          # CUDA graphs / torch.compile off: faster start, slower decode on GPU
     prefix_caching: bool = True         # the G samples of a prompt share its KV blocks (computed once)
-    block_size: int | None = None       # KV-cache block in tokens, what prefix caching shares; None = vLLM's
+    block_size: PositiveInt | None = None   # KV-cache block in tokens, what prefix caching shares; None = vLLM's
                                         # default (16 on GPU, 128 on CPU, where it must be a multiple of 32)
-    max_num_seqs: int | None = None     # sequences an engine step runs at once; None = vLLM's default (CPU: 256)
+    max_num_seqs: PositiveInt | None = None  # sequences an engine step runs at once; None = vLLM's default (CPU: 256)
 
 
 @dataclass
 class SamplingConfig:
-    num_generations: int = 8            # G completions per prompt (the group)
-    max_tokens: int = 16                # C: longest completion
-    temperature: float = 1.0
-    top_p: float = 1.0
+    num_generations: PositiveInt = 8    # G completions per prompt (the group)
+    max_tokens: PositiveInt = 16        # C: longest completion
+    temperature: PositiveFloat = 1.0
+    top_p: Share = 1.0
     top_k: int = -1
 
 
@@ -48,7 +56,8 @@ class Rollout:
     row_ids: list[int]                  # [B*G] data set row of each sequence
     rewards: Tensor | None = None       # [B*G]
     reward_terms: dict[str, Tensor] = field(default_factory=dict)   # function name -> [B*G] unweighted
-    reward_errors: Tensor | None = None  # [B*G] reward-function calls that raised (each scored 0)
+    reward_errors: Tensor | None = None  # [B*G] reward calls that raised or gave no finite number (each scored 0)
+    reward_timeouts: Tensor | None = None  # [B*G] reward calls that ran out of time (each scored 0)
     seconds: dict[str, float] = field(default_factory=dict)          # phase -> wall time (generate, score)
     ref_logprobs: Tensor | None = None  # [B*G, C]
     advantages: Tensor | None = None    # [B*G]
@@ -80,6 +89,15 @@ def build_engine(model_path: str, cfg: EngineConfig, seed: int):
     of the world must reach this line (ranks without an engine call `join_engine_groups` instead)."""
     from vllm import LLM
     return LLM(**_engine_kwargs(model_path, cfg, seed))
+
+
+def check_kv_cache(cfg: EngineConfig, engines_per_node: int) -> None:
+    """On CPU the KV cache is `kv_cache_gb` of host memory per engine: more than the machine has fails only
+    once the engine starts, after the model loaded. (On GPU vLLM takes a share of the GPU's memory instead.)"""
+    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    if not torch.cuda.is_available() and cfg.kv_cache_gb * engines_per_node > memory_gb:
+        raise ForgeError(f"config error: engine.kv_cache_gb={cfg.kv_cache_gb:g} x {engines_per_node} engine(s) per "
+                         f"node is more than this machine's {memory_gb:.0f} GB of memory")
 
 
 def close_engines(engine) -> None:

@@ -46,3 +46,12 @@ def test_agent_bench_prints_the_cost_of_turns(tmp_path):
     assert "| turn loop (" in proc.stdout and "| single-turn generate," in proc.stdout
     raw = json.loads(proc.stdout.split("raw numbers: ")[1].splitlines()[0])
     assert raw["ours"]["perf/generate_tokens_per_s"] > 0 and raw["single_turn"]["tokens_per_s"] > 0
+
+
+def test_reward_bench_prints_inline_against_the_pool():
+    proc = run_script("bench/bench_rewards.py", ["--completions", "40", "--repeats", "1"], timeout=300)
+    for row in ("| inline, one call after another (before) |", "| FunctionPool, 1 worker |",
+                "| FunctionPool, 2 workers |"):
+        assert row in proc.stdout, row
+    raw = json.loads(proc.stdout.split("raw numbers: ")[1].splitlines()[0])
+    assert raw["completions"] == 40 and all(s > 0 for s in raw["seconds"].values())

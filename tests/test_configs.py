@@ -107,15 +107,15 @@ def run_probe(tmp_path: Path, code: str, *args: str, nproc: int | None = None) -
 
 
 def test_dist_timeout_reaches_every_process_group(tmp_path):
-    """`--dist.timeout_minutes` sets the world group's timeout and the role groups' (`new_group` does not
+    """`--dist.timeout_s` sets the world group's timeout and the role groups' (`new_group` does not
     inherit it: it would fall back to torch's default)."""
-    cfg = load_config(GRPOConfig, ["--config", str(CONFIGS / "grpo" / "tiny.yaml"), "--dist.timeout_minutes", "7"])
+    cfg = load_config(GRPOConfig, ["--config", str(CONFIGS / "grpo" / "tiny.yaml"), "--dist.timeout_s", "420"])
     out = run_probe(tmp_path, "import sys, torch, torch.distributed as dist\n"
                               "from forge_core.dist import DistConfig, Layout, init_roles\n"
                               "roles = init_roles(Layout(policy=1, reference=0, reward=0), DistConfig(float(sys.argv[1])))\n"
                               "for group in (dist.group.WORLD, roles.groups['policy']):\n"
                               "    print(group._get_backend(torch.device('cpu')).options._timeout.total_seconds())\n"
-                              "dist.destroy_process_group()\n", str(cfg.dist.timeout_minutes))
+                              "dist.destroy_process_group()\n", str(cfg.dist.timeout_s))
     assert out.split() == ["420.0", "420.0"]
 
 

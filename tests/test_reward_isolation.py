@@ -1,0 +1,151 @@
+"""Reward functions run in FunctionPool's worker processes (forge_core/sandbox.py): a function that hangs, dies,
+eats memory or returns no number costs its own calls, scored 0 and counted, never the run. Real processes;
+the functions are loaded by file path, as a user's are, from tests/rewards_for_tests.py. Last, the real GRPO job
+with four hostile functions beside the real one."""
+
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, grpo_args, read_metrics, run_script
+from forge_core.sandbox import FunctionPool, SandboxError
+
+HOSTILE = ["sleeps_forever", "exits", "segfaults", "eats_memory", "returns_nan", "returns_inf", "returns_string",
+           "returns_none"]
+NAMES = ["value_of", "sleeps_on_odd", *HOSTILE, "digit_fraction"]
+TIMEOUT_S = 1.0
+
+
+def spec(name: str) -> str:
+    return f"{REPO / 'tests' / 'rewards_for_tests.py'}:{name}"
+
+
+def calls(name: str, rows: range) -> list[tuple[int, tuple]]:
+    return [(NAMES.index(name), ("7 + 5 = 12", {"i": i})) for i in rows]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with FunctionPool([spec(n) for n in NAMES], "rewards", "rewards.functions", workers=2, timeout_s=TIMEOUT_S,
+                      memory_mb=1024) as pool:
+        yield pool
+
+
+def pids(pool: FunctionPool) -> set[int]:
+    return {w.process.pid for w in pool._workers}
+
+
+def test_results_come_back_in_call_order(pool):
+    """Several functions interleaved, in chunks over 2 workers: outcome i belongs to call i."""
+    mixed = [c for i in range(100) for c in (calls("value_of", [i]) + calls("digit_fraction", [i]))]
+    outcomes = pool.map(mixed, deadline_s=30)
+    assert [o.value for o in outcomes[::2]] == [float(i) for i in range(100)]
+    assert all(o.value == pytest.approx(0.4) and o.failure is None for o in outcomes[1::2])
+
+
+@pytest.mark.parametrize("name, failure, detail", [
+    ("returns_nan", "error", "returned nan, not a finite number"),
+    ("returns_inf", "error", "returned -inf, not a finite number"),
+    ("returns_string", "error", "returned '1.0', not a finite number"),
+    ("returns_none", "error", "TypeError: float() argument must be a string or a real number, not 'NoneType'"),
+    ("eats_memory", "error", "MemoryError"),
+    ("exits", "error", "its worker died in the call (exit code 3)"),
+    ("segfaults", "error", "its worker died in the call (killed by signal 11 (Segmentation fault))"),
+    ("sleeps_forever", "timeout", f"still running after {TIMEOUT_S:g}s"),
+])
+def test_a_bad_call_scores_zero_is_counted_and_the_next_calls_go_on(pool, name, failure, detail):
+    """One worker's chunk: good, bad, good, good; the bad one fails in its own way, the good ones still score
+    (a dead or killed worker's remaining calls go to a fresh one)."""
+    before = pids(pool)
+    started = time.monotonic()
+    outcomes = pool.map([*calls("value_of", [1]), *calls(name, [2]), *calls("value_of", [3, 4])], deadline_s=30)
+    assert [o.value for o in outcomes] == [1.0, 0.0, 3.0, 4.0]
+    assert [o.failure for o in outcomes] == [None, failure, None, None]
+    assert detail in outcomes[1].detail
+    replaced = name in ("exits", "segfaults", "sleeps_forever")
+    assert (pids(pool) != before) == replaced
+    assert time.monotonic() - started < TIMEOUT_S + 10      # a fresh worker starts in about a second
+
+
+def test_a_function_that_hangs_on_some_inputs_costs_only_those(pool):
+    started = time.monotonic()
+    outcomes = pool.map(calls("sleeps_on_odd", range(6)), deadline_s=30)
+    assert [o.value for o in outcomes] == [0.0, 0.0, 2.0, 0.0, 4.0, 0.0]
+    assert [o.failure for o in outcomes] == [None, "timeout", None, "timeout", None, "timeout"]
+    assert time.monotonic() - started < 3 * TIMEOUT_S + 10
+
+
+def test_the_step_deadline_bounds_a_function_that_hangs_on_every_call(pool):
+    """30 hanging calls would take 30 x timeout_s; the deadline ends them at 4 s, and the real function's
+    calls, queued behind them, are scored first (the least-served function gets the next free worker)."""
+    started = time.monotonic()
+    outcomes = pool.map([*calls("sleeps_forever", range(30)), *calls("value_of", range(30))], deadline_s=4)
+    assert time.monotonic() - started < 4 + 1.5
+    assert all(o.failure == "timeout" for o in outcomes[:30])
+    assert "deadline (4s)" in outcomes[29].detail
+    assert [o.value for o in outcomes[30:]] == [float(i) for i in range(30)]
+    assert pool.map(calls("value_of", [5]), deadline_s=30)[0].value == 5.0     # fresh workers after the deadline
+
+
+def test_a_function_whose_every_call_fails_is_reported_once(capsys):
+    with FunctionPool([spec("returns_nan"), spec("value_of")], "rewards", "rewards.functions", workers=1) as own:
+        for _ in range(2):
+            own.map([(0, ("", {"i": 1})), (0, ("", {"i": 2})), (1, ("", {"i": 3}))], deadline_s=30)
+    err = capsys.readouterr().err
+    assert err.count("every call of") == 1, err
+    assert f"every call of '{spec('returns_nan')}' failed in this step (errors: 2, timeouts: 0)" in err
+    assert "returned nan, not a finite number" in err
+
+
+def test_a_function_named_in_rewards_py_by_name():
+    with FunctionPool(["addition_correct"], "rewards", "rewards.functions", workers=1) as own:
+        assert [o.value for o in own.map([(0, ("12", {"answer": 12})), (0, ("13", {"answer": 12}))], 30)] == [1, 0]
+
+
+def test_a_worker_that_cannot_start_is_a_clear_error():
+    with pytest.raises(SandboxError, match="a worker for rewards.functions did not start"):
+        FunctionPool([spec("no_such_function")], "rewards", "rewards.functions", workers=1)
+
+
+def test_workers_end_with_the_pool_and_with_a_killed_parent():
+    """close() kills and reaps them; a parent killed with SIGKILL (no clean-up runs) takes them along."""
+    with FunctionPool([spec("value_of")], "rewards", "rewards.functions", workers=2) as own:
+        workers = [w.process for w in own._workers]
+    assert all(p.exitcode is not None for p in workers)
+    code = f"""
+import os, signal
+from forge_core.sandbox import FunctionPool
+pool = FunctionPool([{spec('sleeps_forever')!r}], "rewards", "rewards.functions", workers=2)
+print(*(w.process.pid for w in pool._workers), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    orphans = [int(pid) for pid in proc.stdout.split()]
+    assert len(orphans) == 2, proc.stderr
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in orphans) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in orphans)
+
+
+def test_hostile_rewards_cost_their_calls_not_the_grpo_run(tiny, tmp_path):
+    """3 ranks, 2 steps, the real reward beside one that sleeps forever, one that calls os._exit, one that
+    returns NaN and one a string: the run ends normally, every step counts their errors and timeouts, the
+    real reward is scored, and nothing non-finite reaches the metrics."""
+    hostile = ["sleeps_forever", "exits", "returns_nan", "returns_string"]
+    functions = [f"tests/rewards_for_tests.py:{n}" for n in ["digit_fraction", *hostile]]
+    proc = run_script("train_grpo.py", grpo_args(tiny, tmp_path, "--train.steps", "2", "--rewards.functions",
+                                                 *functions, "--rewards.timeout_s", "1",
+                                                 "--rewards.step_timeout_s", "4"), nproc=3)
+    metrics = read_metrics(tmp_path)
+    for step in (1, 2):
+        m = metrics[step]
+        assert m["reward/errors"] >= 2 * 64 and m["reward/timeouts"] >= 1, m      # 64 completions a step
+        assert m["reward/digit_fraction"] > 0 and m["reward/mean"] == pytest.approx(m["reward/digit_fraction"])
+        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+    for name in hostile:
+        assert proc.stderr.count(f"every call of 'tests/rewards_for_tests.py:{name}' failed") == 1, proc.stderr[-3000:]
