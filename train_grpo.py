@@ -217,6 +217,12 @@ def score(completions: list[str], rows: list[dict], pool: FunctionPool, cfg: Rew
             "timeouts": [sum(o.failure == "timeout" for o in calls) for calls in per_text]}
 
 
+def accuracy_scorer(pool: FunctionPool, cfg: RewardConfig, name: str) -> Callable[[list[str], list[dict]], list[float]]:
+    """The held-out accuracy function `name` (one of rewards.functions), scored in the pool's workers."""
+    f = [spec.rpartition(":")[2] for spec in cfg.functions].index(name)
+    return lambda texts, rows: [o.value for o in pool.map([(f, (t, r)) for t, r in zip(texts, rows)], cfg.step_timeout_s)]
+
+
 def serve(answer: Callable[[dict], dict], steps: range, one_step_off: bool, roles: Roles) -> None:
     """Reference and reward ranks, once per step: token ids in (exchange 1), answers out (exchange 2).
     One step off, the answer sent at step t is the one computed for step t-1 while the policy trained."""
@@ -406,8 +412,8 @@ def rollout_metrics(rollout: Rollout, roles: Roles, accuracy_fn: str) -> dict[st
         {k: v / s["n"] for k, v in s.items() if k.startswith("episode/")}
 
 
-def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles, accuracy: Callable | None
-             ) -> dict[str, float]:
+def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles,
+             accuracy: Callable[[list[str], list[dict]], list[float]] | None) -> dict[str, float]:
     """Held-out accuracy of greedy decoding, and of G samples per prompt at the training temperature: the
     reward GRPO maximises, which can rise while the most likely answer (greedy) stays. Each policy rank
     takes its share of the rows. Episodes count as solved or not (`accuracy` None), with tool use and turns."""
@@ -423,7 +429,7 @@ def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles, a
                     "turns": rollout.episode["turns"].sum().item()}
         else:
             texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-            sums = {"accuracy": sum(accuracy(t, eval_rows[i]) for t, i in zip(texts, rollout.row_ids))}
+            sums = {"accuracy": sum(accuracy(texts, [eval_rows[i] for i in rollout.row_ids]))}
         s = reduce_metrics(sums | {"n": len(rollout)}, roles.groups["policy"])
         out |= {f"eval/{k}{suffix}": v / s["n"] for k, v in s.items() if k != "n"}
     return out
@@ -487,14 +493,15 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
     functions = load_reward_functions(cfg.rewards)
     env_class = load_env(cfg.env)
     accuracy_name = cfg.rewards.accuracy or ("env" if env_class else next(iter(functions)))
-    accuracy = functions.get(accuracy_name)
     sample, sample_eval = (sampler(engine, tokenizer, r, cfg, env_class) for r in (rows, eval_rows))
     P, G = len(roles.policy_ranks), cfg.sampling.num_generations
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=steps.start)
     bad_steps = BadSteps(cfg.train.max_bad_steps, log.print)
     weight_sync = WeightSync(policy, engine, cfg.engine.tensor_parallel_size)   # engine = trainer's weights
 
-    pool = reward_pool(cfg.rewards) if not roles.reward_ranks else None
+    # The held-out accuracy function is user code too: it runs in workers of this rank's pool
+    pool = reward_pool(cfg.rewards) if not (roles.reward_ranks and env_class) else None
+    accuracy = None if env_class else accuracy_scorer(pool, cfg.rewards, accuracy_name)
 
     def local_rewards(rollout: Rollout) -> dict[str, list]:
         texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
@@ -583,6 +590,11 @@ def check_config(cfg: GRPOConfig, world_size: int, ranks_per_node: int) -> None:
     if ranks_per_node % tp:
         raise ForgeError(f"config error: engine.tensor_parallel_size={tp} does not divide the {ranks_per_node} "
                          "ranks per node: an engine would span two nodes")
+    names = [spec.rpartition(":")[2] for spec in cfg.rewards.functions]
+    if cfg.env.name is None and not names:
+        raise ForgeError("config error: rewards.functions is empty and there is no env.name: nothing gives rewards")
+    if cfg.rewards.accuracy not in (None, "env", *names):
+        raise ForgeError(f"config error: rewards.accuracy '{cfg.rewards.accuracy}' is none of rewards.functions {names}")
     if cfg.sampling.num_generations < 2:
         raise ForgeError("config error: sampling.num_generations must be >= 2 (advantages compare a group)")
     check_kv_cache(cfg.engine, min(P, ranks_per_node) // tp)

@@ -166,6 +166,18 @@ def test_a_kv_cache_larger_than_the_machine_is_named():
         check_config(cfg, 3, 3)
 
 
+@pytest.mark.parametrize("functions, accuracy, message", [
+    ([], None, "rewards.functions is empty and there is no env.name: nothing gives rewards"),
+    (["addition_correct"], "nope", "rewards.accuracy 'nope' is none of rewards.functions ['addition_correct']"),
+])
+def test_rewards_that_cannot_score_are_named(functions, accuracy, message):
+    cfg = load_config(GRPOConfig, TINY_GRPO)
+    cfg.rewards.functions, cfg.rewards.accuracy = functions, accuracy
+    with pytest.raises(ForgeError) as err:
+        check_config(cfg, 3, 3)
+    assert str(err.value) == f"config error: {message}"
+
+
 @pytest.mark.parametrize("remove, message", [
     (["model.safetensors"], "no weights (*.safetensors)"),
     (["tokenizer.json", "tokenizer_config.json"], "cannot load a tokenizer (Couldn't instantiate the backend tokenizer"),

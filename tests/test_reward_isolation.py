@@ -134,18 +134,22 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 def test_hostile_rewards_cost_their_calls_not_the_grpo_run(tiny, tmp_path):
     """3 ranks, 2 steps, the real reward beside one that sleeps forever, one that calls os._exit, one that
-    returns NaN and one a string: the run ends normally, every step counts their errors and timeouts, the
+    returns NaN and one a string (the first also the held-out accuracy function): the run ends normally, every step counts their errors and timeouts, the
     real reward is scored, and nothing non-finite reaches the metrics."""
     hostile = ["sleeps_forever", "exits", "returns_nan", "returns_string"]
     functions = [f"tests/rewards_for_tests.py:{n}" for n in ["digit_fraction", *hostile]]
     proc = run_script("train_grpo.py", grpo_args(tiny, tmp_path, "--train.steps", "2", "--rewards.functions",
                                                  *functions, "--rewards.timeout_s", "1",
-                                                 "--rewards.step_timeout_s", "4"), nproc=3)
+                                                 "--rewards.step_timeout_s", "4",
+                                                 "--rewards.accuracy", "sleeps_forever"), nproc=3)
     metrics = read_metrics(tmp_path)
     for step in (1, 2):
         m = metrics[step]
         assert m["reward/errors"] >= 2 * 64 and m["reward/timeouts"] >= 1, m      # 64 completions a step
         assert m["reward/digit_fraction"] > 0 and m["reward/mean"] == pytest.approx(m["reward/digit_fraction"])
         assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+    assert "held-out accuracy: greedy 0.000 -> 0.000" in proc.stdout     # the eval's function hangs: scored 0
     for name in hostile:
-        assert proc.stderr.count(f"every call of 'tests/rewards_for_tests.py:{name}' failed") == 1, proc.stderr[-3000:]
+        once_per_pool = 2 if name == "sleeps_forever" else 1      # the policy rank's eval pool reports it too
+        assert proc.stderr.count(f"every call of 'tests/rewards_for_tests.py:{name}' failed") == once_per_pool, \
+            proc.stderr[-3000:]
