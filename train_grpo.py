@@ -595,6 +595,8 @@ def check_config(cfg: GRPOConfig, world_size: int, ranks_per_node: int) -> None:
         raise ForgeError("config error: rewards.functions is empty and there is no env.name: nothing gives rewards")
     if cfg.rewards.accuracy not in (None, "env", *names):
         raise ForgeError(f"config error: rewards.accuracy '{cfg.rewards.accuracy}' is none of rewards.functions {names}")
+    if cfg.sampling.temperature == 0:
+        raise ForgeError("config error: sampling.temperature must be > 0 for GRPO (the logprobs are of T-scaled logits)")
     if cfg.sampling.num_generations < 2:
         raise ForgeError("config error: sampling.num_generations must be >= 2 (advantages compare a group)")
     check_kv_cache(cfg.engine, min(P, ranks_per_node) // tp)

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import torch
 from annotated_types import Interval
-from pydantic import PositiveFloat, PositiveInt
+from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt
 from torch import Tensor
 
 from .config import ForgeError
@@ -40,7 +40,7 @@ class EngineConfig:
 class SamplingConfig:
     num_generations: PositiveInt = 8    # G completions per prompt (the group)
     max_tokens: PositiveInt = 16        # C: longest completion
-    temperature: PositiveFloat = 1.0
+    temperature: NonNegativeFloat = 1.0   # 0 = greedy (generate.py); GRPO needs > 0 (check_config)
     top_p: Share = 1.0
     top_k: int = -1
 

@@ -138,7 +138,6 @@ def test_sft_stops_before_overflowed_weights_are_saved(tiny, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--optim.lr", "-1"], "'optim.lr' must be greater than 0, got -1.0"),
     (["--sampling.max_tokens", "0"], "'sampling.max_tokens' must be greater than 0, got 0"),
-    (["--sampling.temperature", "0"], "'sampling.temperature' must be greater than 0, got 0.0"),
     (["--sampling.top_p", "1.5"], "'sampling.top_p' must be less than or equal to 1, got 1.5"),
     (["--optim.betas", "0.9", "1.0"], "'optim.betas' must be less than 1, got 1.0"),
     (["--train.max_bad_steps", "0"], "'train.max_bad_steps' must be greater than 0, got 0"),
@@ -166,13 +165,14 @@ def test_a_kv_cache_larger_than_the_machine_is_named():
         check_config(cfg, 3, 3)
 
 
-@pytest.mark.parametrize("functions, accuracy, message", [
-    ([], None, "rewards.functions is empty and there is no env.name: nothing gives rewards"),
-    (["addition_correct"], "nope", "rewards.accuracy 'nope' is none of rewards.functions ['addition_correct']"),
+@pytest.mark.parametrize("section, field, value, message", [
+    ("rewards", "functions", [], "rewards.functions is empty and there is no env.name: nothing gives rewards"),
+    ("rewards", "accuracy", "nope", "rewards.accuracy 'nope' is none of rewards.functions ['addition_correct']"),
+    ("sampling", "temperature", 0.0, "sampling.temperature must be > 0 for GRPO (the logprobs are of T-scaled logits)"),
 ])
-def test_rewards_that_cannot_score_are_named(functions, accuracy, message):
+def test_what_grpo_cannot_train_with_is_named(section, field, value, message):
     cfg = load_config(GRPOConfig, TINY_GRPO)
-    cfg.rewards.functions, cfg.rewards.accuracy = functions, accuracy
+    setattr(getattr(cfg, section), field, value)
     with pytest.raises(ForgeError) as err:
         check_config(cfg, 3, 3)
     assert str(err.value) == f"config error: {message}"
