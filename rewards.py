@@ -7,7 +7,7 @@
       weights: [1.0, 0.1]
     # or a function in your own file / module:   functions: ["my_rewards.py:brevity", "mypkg.scoring:judge"]
 
-Functions run in worker processes (`rewards.workers`, forge_core/sandbox.py): one that raises or returns no finite
+Functions run in worker processes (`rewards.workers`, forge_core/scoring.py): one that raises or returns no finite
 number scores 0 for that sample and is counted in `reward/errors`; one that runs past `rewards.timeout_s` or kills
 its process scores 0 and is counted in `reward/timeouts` or `reward/errors`. The run continues.
 """

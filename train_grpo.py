@@ -23,7 +23,7 @@ from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveIn
 from torch import Tensor
 
 from forge_core.ckpt import CheckpointConfig, Checkpointer
-from forge_core.config import ForgeError, config_to_dict, import_symbol, load_config
+from forge_core.config import ForgeError, config_to_dict, load_config
 from forge_core.data import chat_prompt_ids, read_rows, require_fields, sample_indices
 from forge_core.env import EnvConfig, load_env, run_episodes
 from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, init_roles, release, role_ranks,
@@ -33,7 +33,7 @@ from forge_core.model import (BadSteps, FSDPConfig, ModelConfig, OptimConfig, bu
                               load_tokenizer, optimizer_step, set_gradient_sync, shard)
 from forge_core.rollout import (EngineConfig, Rollout, SamplingConfig, build_engine, check_kv_cache, close_engines,
                                 generate, join_engine_groups, shared_prompt_rows)
-from forge_core.sandbox import FunctionPool
+from forge_core.scoring import accuracy_scorer, function_names, load_reward_functions, reward_pool, score
 from forge_core.sync import WeightSync
 
 
@@ -57,7 +57,7 @@ class RewardConfig:
                                         # (with an env: "env", the mean episode return)
     model_path: str | None = None       # optional HF sequence-classification reward model (on reward ranks)
     model_weight: float = 1.0
-    workers: PositiveInt = 2            # processes that call the functions, isolated (forge_core/sandbox.py)
+    workers: PositiveInt = 2            # processes that call the functions, isolated (forge_core/scoring.py)
     timeout_s: PositiveFloat = 5.0      # per call: then its worker is killed and replaced, and the call scores 0
     step_timeout_s: PositiveFloat = 60.0  # per step: calls not done by then score 0 (all counted in reward/timeouts)
     memory_mb: PositiveInt = 2048       # address space of each worker (RLIMIT_AS)
@@ -186,42 +186,6 @@ def token_logprobs(model, part: Rollout, temperature: float, with_entropy: bool 
 
 
 # ---- roles: the reward and reference ranks answer the policy ranks ----
-
-def load_reward_functions(cfg: RewardConfig) -> dict[str, Callable[[str, dict], float]]:
-    """The functions, imported here to check the names; training calls them in a `reward_pool`'s workers."""
-    functions = {spec.rpartition(":")[2]: import_symbol(spec, "rewards", "rewards.functions") for spec in cfg.functions}
-    for name, fn in functions.items():
-        if not callable(fn):
-            raise ForgeError(f"config error: rewards.functions: '{name}' is not a function")
-    if cfg.weights is not None and len(cfg.weights) != len(functions):
-        raise ForgeError(f"config error: rewards.weights has {len(cfg.weights)} values for "
-                         f"{len(functions)} rewards.functions")
-    return functions
-
-
-def reward_pool(cfg: RewardConfig) -> FunctionPool:
-    return FunctionPool(cfg.functions, "rewards", "rewards.functions", cfg.workers, cfg.timeout_s, cfg.memory_mb)
-
-
-def score(completions: list[str], rows: list[dict], pool: FunctionPool, cfg: RewardConfig) -> dict[str, list]:
-    """Per completion the weighted sum of the reward functions and its calls that failed, scored 0 ("errors":
-    raised or gave no finite number, "timeouts": out of time); per function its values ("terms")."""
-    names = [spec.rpartition(":")[2] for spec in cfg.functions]
-    weights, F = cfg.weights or [1.0] * len(names), len(names)
-    outcomes = pool.map([(f, (text, row)) for text, row in zip(completions, rows) for f in range(F)],
-                        cfg.step_timeout_s)
-    per_text = [outcomes[i * F:(i + 1) * F] for i in range(len(completions))]
-    return {"rewards": [sum(w * o.value for w, o in zip(weights, calls)) for calls in per_text],
-            "terms": {name: [calls[f].value for calls in per_text] for f, name in enumerate(names)},
-            "errors": [sum(o.failure == "error" for o in calls) for calls in per_text],
-            "timeouts": [sum(o.failure == "timeout" for o in calls) for calls in per_text]}
-
-
-def accuracy_scorer(pool: FunctionPool, cfg: RewardConfig, name: str) -> Callable[[list[str], list[dict]], list[float]]:
-    """The held-out accuracy function `name` (one of rewards.functions), scored in the pool's workers."""
-    f = [spec.rpartition(":")[2] for spec in cfg.functions].index(name)
-    return lambda texts, rows: [o.value for o in pool.map([(f, (t, r)) for t, r in zip(texts, rows)], cfg.step_timeout_s)]
-
 
 def serve(answer: Callable[[dict], dict], steps: range, one_step_off: bool, roles: Roles) -> None:
     """Reference and reward ranks, once per step: token ids in (exchange 1), answers out (exchange 2).
@@ -490,9 +454,8 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
 
 def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_rows, steps: range,
                  ckpt: Checkpointer, policy, optim, sched) -> None:
-    functions = load_reward_functions(cfg.rewards)
     env_class = load_env(cfg.env)
-    accuracy_name = cfg.rewards.accuracy or ("env" if env_class else next(iter(functions)))
+    accuracy_name = cfg.rewards.accuracy or ("env" if env_class else function_names(cfg.rewards)[0])
     sample, sample_eval = (sampler(engine, tokenizer, r, cfg, env_class) for r in (rows, eval_rows))
     P, G = len(roles.policy_ranks), cfg.sampling.num_generations
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=steps.start)
@@ -590,7 +553,7 @@ def check_config(cfg: GRPOConfig, world_size: int, ranks_per_node: int) -> None:
     if ranks_per_node % tp:
         raise ForgeError(f"config error: engine.tensor_parallel_size={tp} does not divide the {ranks_per_node} "
                          "ranks per node: an engine would span two nodes")
-    names = [spec.rpartition(":")[2] for spec in cfg.rewards.functions]
+    names = function_names(cfg.rewards)
     if cfg.env.name is None and not names:
         raise ForgeError("config error: rewards.functions is empty and there is no env.name: nothing gives rewards")
     if cfg.rewards.accuracy not in (None, "env", *names):

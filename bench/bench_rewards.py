@@ -1,6 +1,6 @@
 """Scoring GSM8K-style completions with `math_correct` (math-verify): in the reward rank's own process, one call
 after another (how train_grpo.py scored before reward functions ran isolated), against the FunctionPool that
-train_grpo.py uses now (forge_core/sandbox.py) with 1 and 2 worker processes.
+train_grpo.py uses now (forge_core/scoring.py) with 1 and 2 worker processes.
 
     python bench/bench_rewards.py                    # about a minute on 2 CPU cores
     python bench/bench_rewards.py --completions 512 --function addition_correct   # the default job's reward
@@ -27,7 +27,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tools")]
 from make_gsm8k_style import gsm8k_style_rows  # noqa: E402
 
 import rewards  # noqa: E402
-from forge_core.sandbox import FunctionPool  # noqa: E402
+from forge_core.scoring import FunctionPool  # noqa: E402
 
 SHAPES = ("Step by step, the total is {a}.\n#### {a}", "So the answer is \\boxed{{{a}}}.", "<answer>{a}</answer>",
           "I think it is {w}.\n#### {w}", "First {w} then {a} and finally {w}, that is the count")

@@ -1,17 +1,10 @@
-"""Run untrusted code isolated and limited, and leave nothing it started running after it: a model's Python
-tool calls one program at a time (`run_python`), users' reward functions in a pool of workers (`FunctionPool`).
+"""Run untrusted code (a model's Python tool calls) isolated and limited, and leave nothing it started running
+after the call. Users' reward functions run in worker processes on the same terms (forge_core/scoring.py).
 
     results = run_python_many(["print(2 + 2)", "while True: pass"], SandboxConfig(timeout_s=2))
     [r.observation() for r in results]          # ['4\n', '[timed out after 2.0s]\n']
 
-Both hold to the same terms: a fresh process (exec'd, never a forked copy of the caller), limits set in it
-(RLIMIT_AS among them), a wall-clock timeout after which it is killed with everything it started, and a result
-that says what happened (`SandboxResult`, `Outcome`) instead of an exception in the caller. Model code gets
-namespaces too; reward functions are the user's own code, trusted not to be malicious but not to be correct, and
-keep the trainer's environment and files (their modules, data files), in workers that outlive one call
-(math-verify's import costs a second): see FunctionPool.
-
-A program (`run_isolated`) runs as `unshare --pid --fork --kill-child --mount-proc --net -- prlimit ... --
+Each call (`run_isolated`) runs as `unshare --pid --fork --kill-child --mount-proc --net -- prlimit ... --
 setpriv ... -- ARGV` in a session of its own (`start_new_session`), with an empty environment, stdin from a file,
 stdout/stderr to unlinked files (RLIMIT_FSIZE bounds them; the first `max_output_bytes` of each are read back)
 and a fresh working directory that is removed afterwards. What holds:
@@ -30,40 +23,26 @@ that budget (a call still starts when it is used up, but cannot fork); if the ca
 killed, a call in flight lives until its code ends (RLIMIT_CPU bounds busy code only).
 """
 
-import atexit
-import ctypes
-import math
-import multiprocessing
 import os
-import resource
-import select
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-import traceback
-import types
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 from itertools import repeat
-from multiprocessing import connection
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
-from typing import BinaryIO, Callable, Literal
+from typing import BinaryIO
 
 from .config import ForgeError
 
 __all__ = ["SandboxConfig", "SandboxResult", "SandboxError", "run_isolated", "run_python", "run_python_many",
-           "FunctionPool", "Outcome"]
+           "exit_status"]
 
 
 _UNSHARE_SIGKILL_BUG = b"unshare: sigprocmask unblock failed: Invalid argument\n"
-_PR_SET_PDEATHSIG = 1                   # prctl(2): the signal this process gets when its parent thread ends
 
 
 class SandboxError(ForgeError):
@@ -96,7 +75,7 @@ class SandboxResult:
         """What a model sees: its stdout, then why the run failed (if it did) and the end of its stderr."""
         if self.exit_code == 0:
             return self.stdout
-        status = f"timed out after {self.seconds:.1f}s" if self.timed_out else _exit_status(self.exit_code)
+        status = f"timed out after {self.seconds:.1f}s" if self.timed_out else exit_status(self.exit_code)
         return f"{self.stdout}[{status}]\n{self.stderr[-stderr_chars:]}"
 
 
@@ -213,236 +192,7 @@ def _head(file: BinaryIO, limit: int) -> str:
     return text + (f"\n[output truncated: {size} bytes, showing the first {limit}]\n" if size > limit else "")
 
 
-def _exit_status(exit_code: int) -> str:
+def exit_status(exit_code: int) -> str:
+    """How a process that did not exit 0 ended, in words."""
     return f"killed by signal {-exit_code} ({signal.strsignal(-exit_code)})" if exit_code < 0 \
         else f"exit code {exit_code}"
-
-
-# ---- persistent workers: functions a config names, called many times (reward functions) ----
-
-@dataclass
-class Outcome:
-    """One call in a FunctionPool: its number, or why there is none (the caller counts it and scores it 0)."""
-    value: float = 0.0
-    failure: Literal["error", "timeout"] | None = None
-    detail: str = ""                    # the call's traceback, or what became of it or its worker
-
-
-class FunctionPool:
-    """Worker processes, started once, that import the functions `specs` name (as `import_symbol` reads them:
-    `name` in `default_module`, `file.py:name`, `module:name`) and call them; each call must return a finite
-    number. `map` sends each worker chunks of calls, and its answers come back one by one.
-
-        with FunctionPool(["math_correct"], "rewards", "rewards.functions", workers=2, timeout_s=5) as pool:
-            outcomes = pool.map([(0, (completion, row)), ...], deadline_s=60)     # [Outcome], in order
-
-    A call that raises, or returns something that is not a finite number (NaN, inf, a string, None), is an
-    "error". One that runs past `timeout_s` is a "timeout": its worker is killed, with every process in its
-    process group, and replaced, as is a worker that dies in a call (os._exit, a segfault, memory beyond
-    `memory_mb` where the MemoryError cannot be caught); the rest of its chunk goes to the fresh one. What is
-    not done `deadline_s` after `map` began is a timeout too. The first time every call of a function in a map
-    fails, its first failure is printed on stderr.
-    Workers are spawned (a fresh interpreter: nothing the rank holds is shared), lead a process group of their
-    own, and get SIGKILL when the thread that started them ends (PR_SET_PDEATHSIG): start and call the pool
-    from the rank's main thread. A process a function starts in a session of its own outlives its worker.
-    """
-
-    def __init__(self, specs: list[str], default_module: str, key: str, workers: int = 2, timeout_s: float = 5.0,
-                 memory_mb: int = 2048):
-        self.specs, self.key, self.timeout_s = specs, key, timeout_s
-        self._worker_args = (specs, default_module, key, memory_mb, os.getpid())
-        self._context = multiprocessing.get_context("spawn")
-        self._reported: set[int] = set()
-        self._workers = [self._start() for _ in range(workers if specs else 0)]
-        atexit.register(self.close)
-        for worker in self._workers:
-            try:
-                worker.ready = worker.conn.recv() is None
-            except EOFError:
-                worker.process.join()
-                self.close()
-                raise SandboxError(f"sandbox error: a worker for {key} did not start "
-                                   f"({_exit_status(worker.process.exitcode)}; its traceback is above)") from None
-
-    def map(self, calls: list[tuple[int, tuple]], deadline_s: float) -> list[Outcome]:
-        """`specs[f](*args)` for each `(f, args)`, in parallel; the outcomes in order, within `deadline_s`."""
-        batch = _Batch.split(calls, chunks_per_function=4 * len(self._workers))
-        deadline = time.monotonic() + deadline_s
-        while (now := time.monotonic()) < deadline and batch.left:
-            for worker in self._workers:
-                if worker.ready and not worker.calls and (chunk := self._next_chunk(batch, now)):
-                    worker.calls, worker.started = chunk, now
-                    with suppress(BrokenPipeError):      # it died idle: _collect sees it, the chunk goes on
-                        worker.conn.send([calls[i] for i in chunk])
-            waiting = [w for w in self._workers if w.calls or not w.ready]
-            wake = min([deadline, *(w.started + self.timeout_s for w in waiting if w.calls)])
-            connection.wait([h for w in waiting for h in (w.conn, w.process.sentinel)], max(wake - now, 0))
-            for worker in waiting:
-                self._collect(worker, batch)
-        for worker in [w for w in self._workers if w.calls]:     # its answers would come after the deadline
-            self._restart(worker, batch)
-        late = Outcome(failure="timeout", detail=f"not done within the step's deadline ({deadline_s:g}s)")
-        batch.outcomes = [late if o is None else o for o in batch.outcomes]
-        self._report(batch)
-        return batch.outcomes
-
-    def close(self) -> None:
-        """Kill and reap every worker (and what it started); the pool cannot be used after this."""
-        for worker in self._workers:
-            _kill(worker)
-        self._workers = []
-        atexit.unregister(self.close)
-
-    def __enter__(self) -> "FunctionPool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _start(self) -> "_Worker":
-        parent_end, child_end = self._context.Pipe()
-        process = self._context.Process(target=_serve_calls, args=(child_end, *self._worker_args), name="forge-pool")
-        # spawn first re-runs the parent's __main__ in the child (runpy, as __mp_main__): for train_grpo.py that
-        # is ~10 s of torch and vLLM imports per worker, paid again at every replacement. A worker needs none of it.
-        main = sys.modules["__main__"]
-        sys.modules["__main__"] = types.ModuleType("__main__")
-        try:
-            process.start()
-        finally:
-            sys.modules["__main__"] = main
-        child_end.close()
-        return _Worker(process, parent_end)
-
-    def _next_chunk(self, batch: "_Batch", now: float) -> list[int] | None:
-        """The next chunk of the function that has had the least worker time in this map (calls still running
-        included; then the fewest workers): one that hangs or kills its workers cannot keep the others from them."""
-        running = [(batch.calls[w.calls[0]][0], now - w.started) for w in self._workers if w.calls]
-        waiting = [f for f, queue in batch.queues.items() if queue]
-        if not waiting:
-            return None
-        f = min(waiting, key=lambda f: (batch.seconds[f] + sum(t for g, t in running if g == f),
-                                        sum(g == f for g, _ in running)))
-        return batch.queues[f].popleft()
-
-    def _collect(self, worker: "_Worker", batch: "_Batch") -> None:
-        """Take the worker's answers; replace it if it died, or if its current call ran past timeout_s."""
-        died = worker.process.exitcode is not None      # read first: what it sent before it died is still read
-        answers = select.poll()                         # Connection.poll() builds a selector per call: 10x slower
-        answers.register(worker.conn, select.POLLIN)
-        try:
-            while answers.poll(0):
-                answer = worker.conn.recv()             # a float, an Outcome, or None: ready
-                if worker.ready:
-                    batch.settle(worker, Outcome(answer) if isinstance(answer, float) else answer, time.monotonic())
-                worker.ready = True
-        except (EOFError, OSError):
-            died = True
-        if died:
-            worker.process.join()
-            if worker.calls:    # charged as a timeout: the fresh worker costs its function about as much
-                batch.settle(worker, Outcome(failure="error", detail=f"its worker died in the call "
-                                             f"({_exit_status(worker.process.exitcode)})"), time.monotonic(),
-                             charge_s=self.timeout_s)
-            self._restart(worker, batch)
-        elif worker.calls and time.monotonic() - worker.started > self.timeout_s:
-            batch.settle(worker, Outcome(failure="timeout", detail=f"still running after {self.timeout_s:g}s "
-                                         "(timeout_s): its worker was killed"), time.monotonic())
-            self._restart(worker, batch)
-
-    def _restart(self, worker: "_Worker", batch: "_Batch") -> None:
-        """Kill the worker and start a fresh one in its place; its unanswered calls go back to the front."""
-        if worker.calls:
-            batch.queues[batch.calls[worker.calls[0]][0]].appendleft(worker.calls)
-        _kill(worker)
-        self._workers[self._workers.index(worker)] = self._start()
-
-    def _report(self, batch: "_Batch") -> None:
-        """Once per function: when every one of its calls in a map failed, say so with its first failure."""
-        for f in sorted(set(batch.queues) - self._reported):
-            outcomes = [o for (g, _), o in zip(batch.calls, batch.outcomes) if g == f]
-            if all(o.failure for o in outcomes):
-                self._reported.add(f)
-                errors = sum(o.failure == "error" for o in outcomes)
-                print(f"{self.key}: every call of '{self.specs[f]}' failed in this step (errors: {errors}, timeouts: "
-                      f"{len(outcomes) - errors}); said once per function. The first failure:\n{outcomes[0].detail}",
-                      file=sys.stderr, flush=True)
-
-
-@dataclass(eq=False)
-class _Worker:
-    process: BaseProcess
-    conn: Connection
-    ready: bool = False                 # it imported the functions and waits for calls
-    calls: list[int] = field(default_factory=list)   # call indices sent to it and not answered yet, in order
-    started: float = 0.0                # when calls[0] began: its chunk was sent, or the previous answer came
-
-
-@dataclass
-class _Batch:
-    """One `map`'s calls, their outcomes so far, and its chunks not sent yet."""
-    calls: list[tuple[int, tuple]]
-    outcomes: list[Outcome | None]
-    queues: dict[int, deque[list[int]]]     # function -> chunks of call indices, in call order
-    seconds: dict[int, float]               # function -> worker seconds its answered calls took
-    left: int                               # calls without an outcome
-
-    @classmethod
-    def split(cls, calls: list[tuple[int, tuple]], chunks_per_function: int) -> "_Batch":
-        by_function: dict[int, list[int]] = {}
-        for i, (f, _) in enumerate(calls):
-            by_function.setdefault(f, []).append(i)
-        queues = {}
-        for f, index in by_function.items():
-            size = math.ceil(len(index) / chunks_per_function)
-            queues[f] = deque(index[i:i + size] for i in range(0, len(index), size))
-        return cls(calls, [None] * len(calls), queues, dict.fromkeys(queues, 0.0), len(calls))
-
-    def settle(self, worker: _Worker, outcome: Outcome, now: float, charge_s: float = 0.0) -> None:
-        """The outcome of the worker's current call; the next one in its chunk starts now."""
-        i = worker.calls.pop(0)
-        self.outcomes[i] = outcome
-        self.left -= 1
-        self.seconds[self.calls[i][0]] += now - worker.started + charge_s
-        worker.started = now
-
-
-def _kill(worker: _Worker) -> None:
-    with suppress(ProcessLookupError):          # no group yet: it has not reached setsid()
-        os.killpg(worker.process.pid, signal.SIGKILL)
-    worker.process.kill()
-    worker.process.join()
-    worker.conn.close()
-
-
-def _serve_calls(conn: Connection, specs: list[str], default_module: str, key: str, memory_mb: int,
-                 parent_pid: int) -> None:
-    """A worker: its own process group, killed with its parent, limited; import the functions, then call them
-    as chunks come, one answer at a time, until the parent closes the pipe."""
-    os.setsid()
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:              # the parent died before prctl
-        os._exit(1)
-    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    from .config import import_symbol          # here: run_python's callers may bring a config of ForgeError alone
-    functions = [import_symbol(spec, default_module, key) for spec in specs]
-    conn.send(None)
-    while True:
-        try:
-            chunk = conn.recv()
-        except EOFError:
-            return
-        for f, args in chunk:
-            conn.send(_call(functions[f], args))
-
-
-def _call(fn: Callable, args: tuple) -> float | Outcome:
-    try:
-        value = fn(*args)
-        number = math.nan if isinstance(value, (str, bytes)) else float(value)
-        if math.isfinite(number):
-            return number                       # pickled and read back in a tenth of an Outcome's time
-        detail = f"returned {value!r:.200}, not a finite number"
-    except BaseException:                       # sys.exit() as well: the worker goes on with the next call
-        detail = traceback.format_exc()
-    return Outcome(failure="error", detail=detail)

@@ -1,4 +1,4 @@
-"""Reward functions run in FunctionPool's worker processes (forge_core/sandbox.py): a function that hangs, dies,
+"""Reward functions run in FunctionPool's worker processes (forge_core/scoring.py): a function that hangs, dies,
 eats memory or returns no number costs its own calls, scored 0 and counted, never the run. Real processes;
 the functions are loaded by file path, as a user's are, from tests/rewards_for_tests.py. Last, the real GRPO job
 with four hostile functions beside the real one."""
@@ -12,7 +12,8 @@ import time
 import pytest
 
 from conftest import REPO, grpo_args, read_metrics, run_script
-from forge_core.sandbox import FunctionPool, SandboxError
+from forge_core.sandbox import SandboxError
+from forge_core.scoring import FunctionPool
 
 HOSTILE = ["sleeps_forever", "exits", "segfaults", "eats_memory", "returns_nan", "returns_inf", "returns_string",
            "returns_none"]
@@ -118,7 +119,7 @@ def test_workers_end_with_the_pool_and_with_a_killed_parent():
     assert all(p.exitcode is not None for p in workers)
     code = f"""
 import os, signal
-from forge_core.sandbox import FunctionPool
+from forge_core.scoring import FunctionPool
 pool = FunctionPool([{spec('sleeps_forever')!r}], "rewards", "rewards.functions", workers=2)
 print(*(w.process.pid for w in pool._workers), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
