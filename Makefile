@@ -21,7 +21,7 @@ $(BIN)/torchrun --standalone --nproc_per_node 3 train_grpo.py --config $(2) && \
 echo "make $@: SFT + GRPO took $$(( $$(date +%s) - start )) s"
 endef
 
-.PHONY: setup run run-agent run-guess run-smol test bench
+.PHONY: setup run run-agent run-guess run-qwen3 run-smol test bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -55,6 +55,13 @@ artifacts/tiny_guess/init/config.json: tools/build_tiny.py forge_core/data.py | 
 # A feedback game over chat turns: SFT on a random but consistent guesser's games (2 ranks), then GRPO (3 ranks)
 run-guess: setup artifacts/tiny_guess/init/config.json
 	$(call sft_then_grpo,configs/sft/tiny_guess.yaml,configs/grpo/tiny_guess.yaml)
+
+artifacts/tiny_qwen3/init/config.json: tools/build_tiny.py forge_core/data.py | setup
+	$(BIN)/python tools/build_tiny.py --arch qwen3 --out artifacts/tiny_qwen3
+
+# The default pipeline on a tiny Qwen3 (the architecture of the Qwen3 GPU configs) instead of the tiny Llama
+run-qwen3: setup artifacts/tiny_qwen3/init/config.json
+	$(call sft_then_grpo,configs/sft/tiny_qwen3.yaml,configs/grpo/tiny_qwen3.yaml)
 
 artifacts/smollm2-135m/converted.json: | setup
 	$(BIN)/python tools/convert_smollm2.py --out artifacts/smollm2-135m

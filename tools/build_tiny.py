@@ -5,6 +5,7 @@ two-digit multiplication with calculator traces for the calculator environment, 
     python tools/build_tiny.py                   # -> artifacts/tiny/{init,data}
     python tools/build_tiny.py --task calculator --out artifacts/tiny_calculator
     python tools/build_tiny.py --task guess --out artifacts/tiny_guess      # + data/games.jsonl for GRPO
+    python tools/build_tiny.py --arch qwen3 --out artifacts/tiny_qwen3    # the same task on a tiny Qwen3
 """
 
 import json
@@ -15,7 +16,7 @@ from typing import Literal
 import torch
 import tyro
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from forge_core.data import addition_rows, guess_rows, multiplication_rows
 
@@ -29,6 +30,7 @@ TOOL_TAGS = ["<calc>", "</calc>", "<result>", "</result>"]
 class BuildConfig:
     out: Path = Path("artifacts/tiny")
     task: Literal["addition", "calculator", "guess"] = "addition"
+    arch: Literal["llama", "qwen3"] = "llama"   # qwen3: grouped-query attention and q/k norms, as the GPU configs' models
     digits: int = 2                     # operands below 10**digits: learnable from scratch in about a minute
     train_rows: int = 5000
     eval_rows: int = 500
@@ -56,13 +58,16 @@ def build_tokenizer(corpus: list[str], whole_tokens: list[str]) -> PreTrainedTok
                                    pad_token="<|endoftext|>", padding_side="left", chat_template=CHAT_TEMPLATE)
 
 
-def build_model(cfg: BuildConfig, tokenizer) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-                         intermediate_size=cfg.intermediate_size, num_attention_heads=cfg.num_heads,
-                         num_key_value_heads=cfg.num_heads, max_position_embeddings=128, tie_word_embeddings=True,
-                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+def build_model(cfg: BuildConfig, tokenizer) -> LlamaForCausalLM | Qwen3ForCausalLM:
+    shape = dict(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                 intermediate_size=cfg.intermediate_size, num_attention_heads=cfg.num_heads,
+                 max_position_embeddings=128, tie_word_embeddings=True, bos_token_id=None,
+                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(cfg.seed)
-    return LlamaForCausalLM(config)
+    if cfg.arch == "qwen3":     # half as many key/value heads as query heads, like Qwen3-1.7B and -8B
+        return Qwen3ForCausalLM(Qwen3Config(**shape, num_key_value_heads=cfg.num_heads // 2,
+                                            head_dim=cfg.hidden_size // cfg.num_heads))
+    return LlamaForCausalLM(LlamaConfig(**shape, num_key_value_heads=cfg.num_heads))
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
