@@ -13,11 +13,12 @@ SFT_SEED := --train.seed $(SEED) --out_dir runs/sft-tiny-seed$(SEED)
 GRPO_SEED := --train.seed $(SEED) --model.path runs/sft-tiny-seed$(SEED)/hf --out_dir runs/grpo-tiny-seed$(SEED)
 endif
 
-# SFT (2 ranks) then GRPO (3 ranks: policy | reference | reward), and the seconds both took
+# SFT (2 ranks) then GRPO (3 ranks: policy | reference | reward, or as many as the third argument), and the
+# seconds both took
 define sft_then_grpo
 @start=$$(date +%s) && \
 $(BIN)/torchrun --standalone --nproc_per_node 2 train_sft.py --config $(1) && \
-$(BIN)/torchrun --standalone --nproc_per_node 3 train_grpo.py --config $(2) && \
+$(BIN)/torchrun --standalone --nproc_per_node $(or $(3),3) train_grpo.py --config $(2) && \
 echo "make $@: SFT + GRPO took $$(( $$(date +%s) - start )) s"
 endef
 
@@ -66,13 +67,13 @@ run-qwen3: setup artifacts/tiny_qwen3/init/config.json
 artifacts/smollm2-135m/converted.json: | setup
 	$(BIN)/python tools/convert_smollm2.py --out artifacts/smollm2-135m
 
-artifacts/gsm8k_style/train.jsonl: | setup
-	$(BIN)/python tools/make_gsm8k_style.py --out artifacts/gsm8k_style
+artifacts/gsm8k_style/train.jsonl: tools/make_gsm8k_style.py | setup
+	$(BIN)/python tools/make_gsm8k_style.py --out artifacts/gsm8k_style --label-noise 0.7
 
-# A real model (README "A real model"): SmolLM2-135M-Instruct SFT (2 ranks), then GRPO (policy | reward).
+# A real model: SmolLM2-135M-Instruct imitates a careless teacher (SFT, 2 ranks); GRPO (2 policy ranks) unlearns
+# the slip
 run-smol: setup artifacts/smollm2-135m/converted.json artifacts/gsm8k_style/train.jsonl
-	$(BIN)/torchrun --standalone --nproc_per_node 2 train_sft.py --config configs/sft/smollm2_gsm8k_style.yaml
-	$(BIN)/torchrun --standalone --nproc_per_node 2 train_grpo.py --config configs/grpo/smollm2_gsm8k_style.yaml
+	$(call sft_then_grpo,configs/sft/smollm2_gsm8k_style.yaml,configs/grpo/smollm2_gsm8k_style.yaml,2)
 
 test: setup
 	$(BIN)/python -m pytest -q tests

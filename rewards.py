@@ -12,12 +12,15 @@ number scores 0 for that sample and is counted in `reward/errors`; one that runs
 its process scores 0 and is counted in `reward/timeouts` or `reward/errors`. The run continues.
 """
 
+import logging
 import re
 
 try:    # optional (pip install math-verify). Imported with this file: a reward worker pays it at start-up, not in
     from math_verify import parse, verify     # its first call, where it would count against rewards.timeout_s
 except ImportError:
     parse = verify = None
+# math_correct turns math-verify's signal timeout off (see there) and it warns once per worker process about that
+logging.getLogger("math_verify.grader").setLevel(logging.ERROR)
 
 __all__ = ["addition_correct", "gsm8k_correct", "math_correct", "format_no_extra_text", "extract_gsm8k_answer"]
 

@@ -87,6 +87,7 @@ class TrainConfig:
     seed: int = 0
     log_every: PositiveInt = 1
     eval_every: NonNegativeInt = 50     # held-out greedy accuracy; also before the first step and at the end
+    eval_sampled: bool = True           # also the accuracy of G samples per prompt (G times the greedy eval's cost)
     stop_at_step: int | None = None     # end this run early, as a preemption would; the schedule still spans `steps`
     max_bad_steps: PositiveInt = 5      # steps in a row whose update is skipped (non-finite loss) before the run stops
 
@@ -377,15 +378,16 @@ def rollout_metrics(rollout: Rollout, roles: Roles, accuracy_fn: str) -> dict[st
 
 
 def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles,
-             accuracy: Callable[[list[str], list[dict]], list[float]] | None) -> dict[str, float]:
-    """Held-out accuracy of greedy decoding, and of G samples per prompt at the training temperature: the
-    reward GRPO maximises, which can rise while the most likely answer (greedy) stays. Each policy rank
-    takes its share of the rows. Episodes count as solved or not (`accuracy` None), with tool use and turns."""
+             accuracy: Callable[[list[str], list[dict]], list[float]] | None, sampled: bool) -> dict[str, float]:
+    """Held-out accuracy of greedy decoding, and (`sampled`) of G samples per prompt at the training
+    temperature: the reward GRPO maximises, which can rise while the most likely answer (greedy) stays. Each
+    policy rank takes its share of the rows. Episodes count as solved or not (`accuracy` None), with tool use
+    and turns."""
     set_phase("eval")
     me, P = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks)
     index = list(range(me, len(eval_rows), P))
     out = {}
-    for suffix, greedy in (("", True), ("_sampled", False)):
+    for suffix, greedy in (("", True), ("_sampled", False))[:1 + sampled]:
         rollout = sample(index, seed=0, greedy=greedy)
         if rollout.episode:         # an episode is solved when its return is positive
             sums = {"accuracy": (rollout.episode["return"] > 0).sum().item(),
@@ -411,11 +413,16 @@ def sampler(engine, tokenizer, rows: list[dict], cfg: GRPOConfig, env_class) -> 
     return sample
 
 
-def describe_accuracy(start: dict[str, float], end: dict[str, float], cfg: GRPOConfig, steps: range) -> str:
-    samples = f"sampled (T={cfg.sampling.temperature:g}, {cfg.sampling.num_generations} per prompt)"
-    line = (f"held-out accuracy: greedy {start['eval/accuracy']:.3f} -> {end['eval/accuracy']:.3f}, "
-            f"{samples} {start['eval/accuracy_sampled']:.3f} -> {end['eval/accuracy_sampled']:.3f} "
-            f"(step {steps.start} -> {steps.stop})")
+def describe_accuracy(start: dict[str, float], end: dict[str, float], cfg: GRPOConfig, steps: range,
+                      rows: int) -> str:
+    """Greedy accuracy with its standard error over `rows` held-out rows (the larger of start's and end's:
+    a rise of more than twice it is more than noise), then sampled accuracy when it was measured."""
+    stderr = max(math.sqrt(p * (1 - p) / rows) for p in (start["eval/accuracy"], end["eval/accuracy"]))
+    sampled = "" if "eval/accuracy_sampled" not in start else (
+        f", sampled (T={cfg.sampling.temperature:g}, {cfg.sampling.num_generations} per prompt) "
+        f"{start['eval/accuracy_sampled']:.3f} -> {end['eval/accuracy_sampled']:.3f}")
+    line = (f"held-out accuracy: greedy {start['eval/accuracy']:.3f} -> {end['eval/accuracy']:.3f} "
+            f"({rows} rows, s.e. {stderr:.3f}){sampled} (step {steps.start} -> {steps.stop})")
     if "eval/tool_use" in start:
         line += (f"\ntool use: {start['eval/tool_use']:.2f} -> {end['eval/tool_use']:.2f} of episodes, turns per episode "
                  f"{start['eval/turns']:.2f} -> {end['eval/turns']:.2f} (held-out, greedy)")
@@ -471,10 +478,10 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         return score(texts, [rows[i] for i in rollout.row_ids], pool, cfg.rewards)
 
     started = time.perf_counter()
-    start_accuracy = evaluate(sample_eval, tokenizer, eval_rows, roles, accuracy)
+    start_accuracy = evaluate(sample_eval, tokenizer, eval_rows, roles, accuracy, cfg.train.eval_sampled)
     accuracy_now = start_accuracy
-    log.print(f"held-out accuracy at step {steps.start}: {start_accuracy['eval/accuracy']:.3f} greedy, "
-              f"{start_accuracy['eval/accuracy_sampled']:.3f} sampled")
+    log.print(f"held-out accuracy at step {steps.start}: {start_accuracy['eval/accuracy']:.3f} greedy"
+              + (f", {start_accuracy['eval/accuracy_sampled']:.3f} sampled" if cfg.train.eval_sampled else ""))
     def collect_scores(rollout: Rollout) -> None:
         """Exchange 2: the rollout's rewards (and reference logprobs) come in; then its group advantages."""
         t = time.perf_counter()
@@ -511,7 +518,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
             metrics |= {"sync/seconds": sync.seconds, "sync/gather_seconds": sync.gather_seconds,
                         "sync/gigabytes": sync.bytes / 1e9}
         if done == cfg.train.steps or (cfg.train.eval_every and done % cfg.train.eval_every == 0):
-            accuracy_now = evaluate(sample_eval, tokenizer, eval_rows, roles, accuracy)
+            accuracy_now = evaluate(sample_eval, tokenizer, eval_rows, roles, accuracy, cfg.train.eval_sampled)
             metrics |= accuracy_now
         if done % cfg.train.log_every == 0 or "eval/accuracy" in metrics:
             log.log(done, metrics, ("reward/mean", "reward/accuracy", "loss/kl", "completion/length",
@@ -526,7 +533,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
         export_hf(policy, tokenizer, export_dir, roles.groups["policy"])
         log.print(f"exported {export_dir}")
-    log.print(describe_accuracy(start_accuracy, accuracy_now, cfg, steps))
+    log.print(describe_accuracy(start_accuracy, accuracy_now, cfg, steps, len(eval_rows)))
     log.print(f"summary: {steps.stop - steps.start} GRPO steps in {time.perf_counter() - started:.0f} s took greedy "
               f"held-out accuracy from {start_accuracy['eval/accuracy']:.3f} to {accuracy_now['eval/accuracy']:.3f} "
               f"({len(eval_rows)} rows)")

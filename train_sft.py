@@ -22,7 +22,7 @@ from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, e
 from forge_core.dist import Dist, DistConfig, close_dist, init_dist, run_main, set_phase
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (BadSteps, FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
-                              load_tokenizer, optimizer_step, set_gradient_sync, shard)
+                              linear_kernel, load_tokenizer, optimizer_step, set_gradient_sync, shard)
 
 
 @dataclass
@@ -165,7 +165,9 @@ def main() -> None:
     bad_steps = BadSteps(cfg.train.max_bad_steps, log.print)
     log.print(f"sft: {len(examples)} examples ({truncated} truncated), {len(eval_rows)} held out; "
               f"{d.world_size} ranks x {cfg.train.micro_batch_size} x {accum} accumulation = "
-              f"{cfg.train.batch_size} sequences/step; " + (f"resumed from {path}" if start_step else "fresh start"))
+              f"{cfg.train.batch_size} sequences/step; "
+              + (f"CPU GEMMs: {linear_kernel(cfg.fsdp)}; " if d.mesh.device_type == "cpu" else "")
+              + (f"resumed from {path}" if start_step else "fresh start"))
 
     end_step = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
     for step in range(start_step, end_step):

@@ -1,5 +1,5 @@
 """One core's fp32 GEMM throughput on the linear layers of a model, torch's own (MKL on x86) beside oneDNN's
-(`forge_core.model.onednn_linear`, what `fsdp.onednn_linear` trains with and the engines multiply by): which one
+(`forge_core.model.onednn_linear`, what `fsdp.linear_kernel: onednn` trains with and the engines multiply by): which one
 this CPU runs faster, and how close the GRPO step's GEMMs can come to the CPU's peak.
 
     python bench/bench_gemm.py                                   # the tiny model's shapes

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from .ckpt import publish_dir
 from .config import ForgeError
 
-__all__ = ["ModelConfig", "FSDPConfig", "OptimConfig", "load_model", "load_tokenizer", "shard", "use_onednn_linears",
+__all__ = ["ModelConfig", "FSDPConfig", "OptimConfig", "load_model", "load_tokenizer", "shard", "linear_kernel", "use_onednn_linears",
            "onednn_linear", "set_gradient_sync", "build_optimizer", "optimizer_step", "BadSteps", "export_hf",
            "full_state_dict"]
 
@@ -39,7 +39,9 @@ class FSDPConfig:
     mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"   # auto: bf16 params on GPU, fp32 on CPU
     activation_checkpointing: bool = False
     reshard_after_forward: bool = True
-    onednn_linear: bool = True          # CPU, fp32: nn.Linear through oneDNN (2.3x MKL on AVX-512 Zen 5; same on AVX2)
+    # CPU, fp32: the GEMMs of every nn.Linear. auto = oneDNN on AMD (2.3x torch's MKL on a Zen 5, equal on Zen 1/3),
+    # torch's own on Intel (MKL's fast paths; oneDNN was 0.8-1.05x of it on AVX-512 Xeons): bench/bench_gemm.py
+    linear_kernel: Literal["auto", "onednn", "torch"] = "auto"
 
 
 Beta = Annotated[float, Interval(ge=0, lt=1)]
@@ -101,7 +103,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def shard(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Module:
     """oneDNN linears on CPU (optional), activation checkpointing (optional), then fully_shard each decoder
     layer and the root."""
-    if cfg.onednn_linear and mesh.device_type == "cpu":
+    if mesh.device_type == "cpu" and linear_kernel(cfg) == "onednn":
         use_onednn_linears(model)
     bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and mesh.device_type == "cuda")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
@@ -115,6 +117,16 @@ def shard(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Module:
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
     return model
+
+
+def linear_kernel(cfg: FSDPConfig) -> str:
+    """The CPU GEMM kernel `cfg.linear_kernel` names; auto decides by the CPU's vendor, so every run on a
+    machine (a resumed one too) multiplies the same way."""
+    if cfg.linear_kernel != "auto":
+        return cfg.linear_kernel
+    cpuinfo = Path("/proc/cpuinfo")
+    amd = cpuinfo.exists() and "AuthenticAMD" in cpuinfo.read_text()
+    return "onednn" if amd else "torch"
 
 
 class _OneDNNLinearFn(torch.autograd.Function):

@@ -7,8 +7,8 @@ import sys
 
 from conftest import REPO, read_metrics, run_script
 
-ACCURACY = re.compile(r"held-out accuracy: greedy ([\d.]+) -> ([\d.]+), sampled \(T=1, 8 per prompt\) "
-                      r"([\d.]+) -> ([\d.]+) \(step 0 -> (\d+)\)")
+ACCURACY = re.compile(r"held-out accuracy: greedy ([\d.]+) -> ([\d.]+) \(\d+ rows, s.e. [\d.]+\), "
+                      r"sampled \(T=1, 8 per prompt\) ([\d.]+) -> ([\d.]+) \(step 0 -> (\d+)\)")
 
 
 def _pipeline(tmp_path, task: str, sft_config: str, grpo_config: str, sft_steps: int, grpo_steps: int,

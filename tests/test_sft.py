@@ -28,6 +28,18 @@ def test_two_rank_fsdp_matches_one_process(tiny, tmp_path):
         torch.testing.assert_close(w1[name], w2[name], atol=2e-5, rtol=0, msg=name)
 
 
+def test_linear_kernels_give_the_same_losses(tiny, tmp_path):
+    """fsdp.linear_kernel picks the CPU GEMMs (auto: by the CPU's vendor); oneDNN and torch's train alike."""
+    runs = {}
+    for kernel in ("onednn", "torch"):
+        proc = run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / kernel, *SHORT, "--fsdp.linear_kernel", kernel),
+                          nproc=1)
+        assert f"CPU GEMMs: {kernel};" in proc.stdout
+        runs[kernel] = read_metrics(tmp_path / kernel)
+    for step in range(1, 7):
+        assert runs["onednn"][step]["train/loss"] == pytest.approx(runs["torch"][step]["train/loss"], abs=1e-5), step
+
+
 def test_resume_reproduces_the_uninterrupted_run(tiny, tmp_path):
     args = [*SHORT, "--train.steps", "8", "--ckpt.save_every", "4"]
     run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "straight", *args), nproc=2)

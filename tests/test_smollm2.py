@@ -112,12 +112,29 @@ def test_generated_problems_are_gsm8k_format_with_correct_answers(problems, tmp_
         assert rewards.math_correct(f"The answer is {int(gold) + 1}.", row) == 0.0
     run_tool("make_gsm8k_style.py", "--out", str(tmp_path), "--train-rows", "300", "--eval-rows", "50")
     assert (tmp_path / "train.jsonl").read_text() == (problems / "train.jsonl").read_text(), "not deterministic"
+    assert all(r["response"] == r["answer"] for r in train + evals)
+
+
+def test_the_careless_teacher_slips_only_in_the_final_answer(problems, tmp_path):
+    run_tool("make_gsm8k_style.py", "--out", str(tmp_path), "--train-rows", "300", "--eval-rows", "50",
+             "--label-noise", "0.7")
+    clean, noisy = read_jsonl(problems / "train.jsonl"), read_jsonl(tmp_path / "train.jsonl")
+    assert [r["answer"] for r in noisy] == [r["answer"] for r in clean], "answers (the rewards' gold) stay right"
+    assert all(r["response"] == r["answer"] for r in read_jsonl(tmp_path / "eval.jsonl"))
+    slipped = [r for r in noisy if r["response"] != r["answer"]]
+    assert 0.6 < len(slipped) / len(noisy) < 0.8
+    for row in slipped:
+        reasoning, gold = row["answer"].rsplit("\n#### ", 1)
+        head, final = row["response"].rsplit("\n#### ", 1)
+        assert head == reasoning and final[:-1] == gold[:-1] and int(final[-1]) == (int(gold[-1]) + 1) % 10
+        assert rewards.math_correct(row["response"], row) == 0.0
 
 
 # ---- the configs, end to end ----
 
 def test_sft_then_grpo_configs_run_on_smollm2(smollm2, problems, tmp_path):
-    """2 SFT steps on 2 FSDP ranks, then 2 GRPO steps from its export (policy | reward, vLLM engine)."""
+    """`make run-smol`, shortened: 2 SFT steps on 2 FSDP ranks on the careless teacher's responses, then 2 GRPO
+    steps from its export with the shipped config (2 policy ranks, a vLLM engine each, math-verify rewards)."""
     data = ["--data.path", str(problems / "train.jsonl"), "--data.eval_path", str(problems / "eval.jsonl")]
     run_script("train_sft.py", ["--config", "configs/sft/smollm2_gsm8k_style.yaml", "--model.path", str(smollm2),
                                 *data, "--out_dir", str(tmp_path / "sft"), "--train.steps", "2",
@@ -133,5 +150,5 @@ def test_sft_then_grpo_configs_run_on_smollm2(smollm2, problems, tmp_path):
                                         "--sampling.max_tokens", "24", "--data.eval_rows", "4"], nproc=2)
     grpo = read_metrics(tmp_path / "grpo")
     assert set(grpo) >= {1, 2} and grpo[2]["reward/errors"] == 0
-    assert 0 <= grpo[2]["eval/accuracy"] <= 1 and "held-out accuracy:" in proc.stdout
-
+    assert 0 <= grpo[2]["eval/accuracy"] <= 1 and "eval/accuracy_sampled" not in grpo[2]
+    assert re.search(r"held-out accuracy: greedy [\d.]+ -> [\d.]+ \(4 rows, s.e. [\d.]+\) \(step 0 -> 2\)", proc.stdout)

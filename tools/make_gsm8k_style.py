@@ -117,8 +117,10 @@ FAMILIES = [shopping, rates, ages, sharing, multi_step]
 
 
 def gsm8k_style_rows(num_rows: int, seed: int, hard_fraction: float = 0.5,
-                     exclude: set[str] = frozenset()) -> list[dict]:
-    """Distinct problems (none of them in `exclude`), families in turn, `hard_fraction` of them multi-step."""
+                     exclude: set[str] = frozenset(), label_noise: float = 0.0) -> list[dict]:
+    """Distinct problems (none of them in `exclude`), families in turn, `hard_fraction` of them multi-step.
+    `answer` is always right; `response`, what SFT imitates, is the answer except that with `label_noise` its
+    final line slips: the last digit one too high (`#### 45` -> `#### 46`), the reasoning above it intact."""
     rng = random.Random(seed)
     rows, seen = [], set(exclude)
     for attempt in range(100 * num_rows):
@@ -129,8 +131,12 @@ def gsm8k_style_rows(num_rows: int, seed: int, hard_fraction: float = 0.5,
         if question in seen:
             continue
         seen.add(question)
-        rows.append({"question": question, "answer": "\n".join(lines) + f"\n#### {answer}",
-                     "family": family.__name__})
+        reasoning = "\n".join(lines)
+        final = str(answer)
+        if rng.random() < label_noise:
+            final = final[:-1] + str((int(final[-1]) + 1) % 10)
+        rows.append({"question": question, "answer": f"{reasoning}\n#### {answer}",
+                     "response": f"{reasoning}\n#### {final}", "family": family.__name__})
     assert len(rows) == num_rows, f"only {len(rows)} distinct problems for seed {seed}"
     return rows
 
@@ -139,15 +145,16 @@ def gsm8k_style_rows(num_rows: int, seed: int, hard_fraction: float = 0.5,
 class MakeConfig:
     out: Path = Path("artifacts/gsm8k_style")
     train_rows: int = 2000
-    eval_rows: int = 200
+    eval_rows: int = 500
     hard_fraction: float = 0.5          # share of two/three-step problems
+    label_noise: float = 0.0            # share of train responses whose final answer slips (a careless teacher)
     seed: int = 0
 
 
 def main(cfg: MakeConfig) -> None:
     eval_rows = gsm8k_style_rows(cfg.eval_rows, cfg.seed + 1, cfg.hard_fraction)
     train_rows = gsm8k_style_rows(cfg.train_rows, cfg.seed, cfg.hard_fraction,
-                                  exclude={r["question"] for r in eval_rows})
+                                  exclude={r["question"] for r in eval_rows}, label_noise=cfg.label_noise)
     cfg.out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", train_rows), ("eval", eval_rows)):
         (cfg.out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
