@@ -55,3 +55,10 @@ def test_reward_bench_prints_inline_against_the_pool():
         assert row in proc.stdout, row
     raw = json.loads(proc.stdout.split("raw numbers: ")[1].splitlines()[0])
     assert raw["completions"] == 40 and all(s > 0 for s in raw["seconds"].values())
+
+
+def test_mask_bench_prints_the_three_layouts(tiny):
+    proc = run_script("bench/bench_mask.py", ["--model", str(tiny / "init"), "--completion-tokens", "16",
+                                              "--prompt-tokens", "8", "--repeats", "1", "--qwen3-row", "256"], timeout=300)
+    for row in ("| packed, dense mask |", "| packed, causal only |", "| unpacked |", "SDPA fwd+bwd, one row of 256"):
+        assert row in proc.stdout, row
