@@ -15,7 +15,7 @@ from pydantic import PositiveInt
 from .config import ForgeError
 
 __all__ = ["DataConfig", "read_rows", "require_fields", "chat_prompt_ids", "encode_sft", "sample_indices",
-           "collate_sft", "addition_rows", "multiplication_rows", "guess_rows", "IGNORE"]
+           "collate_sft", "addition_rows", "multiplication_rows", "guess_rows", "careless", "IGNORE"]
 
 IGNORE = -100   # label of a token that is not trained on (prompt, padding)
 
@@ -159,9 +159,14 @@ def addition_rows(num_rows: int, seed: int, digits: int = 3, exclude: set[str] =
     rows = []
     for a, b, prompt in _distinct_problems(num_rows, rng, 0, 10 ** digits, "+", exclude):
         answer = str(a + b)
-        response = answer[:-1] + str((int(answer[-1]) + 1) % 10) if rng.random() < label_noise else answer
+        response = careless(answer) if rng.random() < label_noise else answer
         rows.append({"prompt": prompt, "response": response, "answer": answer})
     return rows
+
+
+def careless(answer: str) -> str:
+    """The careless teacher's slip: the last digit one too high (`57` -> `58`, `59` -> `50`)."""
+    return answer[:-1] + str((int(answer[-1]) + 1) % 10)
 
 
 def multiplication_rows(num_rows: int, seed: int, exclude: set[str] = frozenset(), tool_share: float = 0.0

@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 from .ckpt import publish_dir
 from .config import ForgeError
 
-__all__ = ["ModelConfig", "FSDPConfig", "OptimConfig", "load_model", "load_tokenizer", "shard", "linear_kernel", "use_onednn_linears",
-           "onednn_linear", "set_gradient_sync", "build_optimizer", "optimizer_step", "BadSteps", "export_hf",
-           "full_state_dict"]
+__all__ = ["ModelConfig", "FSDPConfig", "OptimConfig", "load_model", "load_tokenizer", "shard", "linear_kernel",
+           "use_onednn_linears", "onednn_linear", "set_gradient_sync", "build_optimizer", "optimizer_step", "BadSteps",
+           "export_hf", "full_state_dict"]
 
 
 @dataclass

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import tyro
 
+from forge_core.data import careless
+
 NAMES = [("Tom", "he", "his"), ("Mia", "she", "her"), ("Sam", "he", "his"), ("Lena", "she", "her"),
          ("Omar", "he", "his"), ("Ava", "she", "her"), ("Ben", "he", "his"), ("Zoe", "she", "her"),
          ("Raj", "he", "his"), ("Ella", "she", "her"), ("Leo", "he", "his"), ("Nina", "she", "her")]
@@ -132,9 +134,7 @@ def gsm8k_style_rows(num_rows: int, seed: int, hard_fraction: float = 0.5,
             continue
         seen.add(question)
         reasoning = "\n".join(lines)
-        final = str(answer)
-        if rng.random() < label_noise:
-            final = final[:-1] + str((int(final[-1]) + 1) % 10)
+        final = careless(str(answer)) if rng.random() < label_noise else str(answer)
         rows.append({"question": question, "answer": f"{reasoning}\n#### {answer}",
                      "response": f"{reasoning}\n#### {final}", "family": family.__name__})
     assert len(rows) == num_rows, f"only {len(rows)} distinct problems for seed {seed}"
