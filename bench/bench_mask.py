@@ -58,14 +58,13 @@ def model_layouts(model_dir: str, prompts: int, G: int, P: int, C: int, repeats:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     part = fake_rollout(model.config.vocab_size, prompts, G, P, C)
     rows = shared_prompt_rows(part)
-    causal_only = {"attention_mask": None}
 
     def packed(dense: bool):
         def run():
             if dense:
                 logp, _ = token_logprobs(model, part, 1.0)
             else:                   # same ids and positions, no mask: HF's SDPA runs is_causal
-                logits = model(input_ids=rows.input_ids, position_ids=rows.position_ids, **causal_only,
+                logits = model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=None,
                                logits_to_keep=rows.logits_to_keep, use_cache=False).logits
                 logp = torch.log_softmax(logits.float(), -1).flatten(0, 1)[rows.logits_index, part.completion_ids]
             logp.sum().backward()
