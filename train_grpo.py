@@ -29,10 +29,10 @@ from forge_core.env import EnvConfig, load_env, run_episodes
 from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, init_roles, release, role_ranks,
                               run_main, set_phase, wait_idle)
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
-from forge_core.model import (BadSteps, FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
-                              load_tokenizer, optimizer_step, set_gradient_sync, shard)
+from forge_core.model import (BadSteps, FSDPConfig, ModelConfig, OptimConfig, bf16_chosen, build_optimizer, export_hf,
+                              linear_kernel, load_model, load_tokenizer, optimizer_step, set_gradient_sync, shard)
 from forge_core.rollout import (EngineConfig, Rollout, SamplingConfig, build_engine, check_kv_cache, close_engines,
-                                generate, join_engine_groups, shared_prompt_rows)
+                                engine_dtype, generate, join_engine_groups, shared_prompt_rows)
 from forge_core.scoring import accuracy_scorer, function_names, load_reward_functions, reward_pool, score
 from forge_core.sync import WeightSync
 
@@ -468,6 +468,9 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=steps.start)
     bad_steps = BadSteps(cfg.train.max_bad_steps, log.print)
     weight_sync = WeightSync(policy, engine, cfg.engine.tensor_parallel_size)   # engine = trainer's weights
+    on_gpu = roles.dist.device.type == "cuda"
+    log.print(f"grpo: trainer {'bf16' if bf16_chosen(cfg.fsdp.mixed_precision, on_gpu) else 'fp32'}, engine "
+              f"{engine_dtype(cfg.engine.dtype, on_gpu)}" + ("" if on_gpu else f", CPU GEMMs {linear_kernel(cfg.fsdp)}"))
 
     # The held-out accuracy function is user code too: it runs in workers of this rank's pool
     pool = reward_pool(cfg.rewards) if not (roles.reward_ranks and env_class) else None

@@ -16,13 +16,13 @@ One contender at a time, OMP_NUM_THREADS=1; figures are medians over the steps a
   oneDNN's kernels on the model's linears, and one read of the engine's weights per decode step (the mean
   completion length; the batch's longest is more) at one core's read bandwidth; training is 3x generation's
   FLOPs (forward and backward over each group's packed row).
-- generation peer: a plain-process vLLM engine (fp32, eager) on the same per-step chat prompts, one request
+- generation peer: a plain-process vLLM engine (our engine's dtype, eager) on the same per-step chat prompts, one request
   of n=G samples each, same max_tokens, KV block size, max_num_seqs, T=1, logprobs=0, token ids only
   (detokenize=False), as ours; with 2 policy ranks, each rank's share (a contiguous block, as ours) in turn, and the
   rate of the shares as if side by side (x ranks).
 - step peers: TRL GRPOTrainer in its own venv (--trl_venv), as many processes as ours has policy ranks
   (torchrun, gloo DDP), generating with HF generate and (--trl_modes vllm) with a vLLM engine colocated in
-  each process: fp32, no gradient checkpointing, loss dapo, beta 0, our lr, betas, clipping, G, completion
+  each process: our trainer's precision (fp32, or bf16 autocast), no gradient checkpointing, loss dapo, beta 0, our lr, betas, clipping, G, completion
   length, micro-batch, reward functions and weights, and our prompts in our order.
 - sync peers. One policy rank loads its own engine: no bytes cross ranks, so its peer is a memcpy of the same
   bytes. With 2 policy ranks (the SmolLM2 job's layout; the default job runs a second job of 2 policy ranks +
@@ -37,6 +37,7 @@ One contender at a time, OMP_NUM_THREADS=1; figures are medians over the steps a
 """
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -169,7 +170,7 @@ def vllm_worker(spec: dict) -> dict:
     import torch
     from vllm import LLM, SamplingParams
     correct_fn = reward_function(spec["accuracy_fn"])
-    llm = LLM(model=spec["model"], tokenizer=spec["tokenizer"], dtype="float32", enforce_eager=True,
+    llm = LLM(model=spec["model"], tokenizer=spec["tokenizer"], dtype=spec["dtype"], enforce_eager=True,
               kv_cache_memory_bytes=spec["kv_cache_bytes"], seed=0, block_size=spec["block_size"],
               max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"])
     rates = []
@@ -232,7 +233,7 @@ def trl_worker(spec: dict) -> dict | None:
         max_completion_length=spec["max_tokens"], temperature=1.0, learning_rate=spec["lr"],
         lr_scheduler_type="constant", warmup_steps=0, adam_beta1=spec["betas"][0], adam_beta2=spec["betas"][1],
         weight_decay=0.0, max_grad_norm=spec["max_grad_norm"], beta=0.0, loss_type="dapo", epsilon=0.2,
-        scale_rewards="group", shuffle_dataset=False, bf16=False, gradient_checkpointing=False, use_cpu=True,
+        scale_rewards="group", shuffle_dataset=False, bf16=spec["bf16"], gradient_checkpointing=False, use_cpu=True,
         report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
         reward_weights=spec["weights"], **(vllm if spec["mode"] == "vllm" else {"use_vllm": False}))
     torch.manual_seed(0)
@@ -305,9 +306,9 @@ def memcpy_seconds(nbytes: int) -> float:
     return statistics.median(seconds[5:])
 
 
-def machine_rates(model: str) -> dict:
-    """One core's rates: the best fp32 GEMM rate (torch's or oneDNN's kernel, FLOP-weighted over the model's
-    linears at 1,024 rows, the lm_head included) and the read bandwidth of a 1 GiB sum."""
+def machine_rates(model: str, dtype) -> dict:
+    """One core's rates: the best GEMM rate in `dtype` (torch's or oneDNN's kernel, FLOP-weighted over the
+    model's linears at 1,024 rows, the lm_head included) and the read bandwidth of a 1 GiB sum."""
     import torch
     import torch.nn.functional as F
     from bench_gemm import linear_shapes, seconds_per_call
@@ -317,7 +318,8 @@ def machine_rates(model: str) -> dict:
     rows, layers = 1024, config["num_hidden_layers"]
     flops, seconds = {"torch": 0.0, "onednn": 0.0}, {"torch": 0.0, "onednn": 0.0}
     for name, (out, inp) in linear_shapes(config).items():
-        x, w, copies = torch.randn(rows, inp), torch.randn(out, inp), 1 if name == "lm_head" else layers
+        x, w = torch.randn(rows, inp, dtype=dtype), torch.randn(out, inp, dtype=dtype)
+        copies = 1 if name == "lm_head" else layers
         for kernel, fn in (("torch", lambda: F.linear(x, w)), ("onednn", lambda: onednn_linear(x, w, None))):
             seconds[kernel] += copies * seconds_per_call(fn, 3)
             flops[kernel] += copies * 2 * rows * out * inp
@@ -336,22 +338,22 @@ def model_sizes(model: str) -> dict:
     for path in Path(model).glob("*.safetensors"):
         with safe_open(path, "pt") as f:
             for key in f.keys():
-                n = f.get_slice(key).get_shape()
-                count = n[0] * (n[1] if len(n) > 1 else 1)
+                count = math.prod(f.get_slice(key).get_shape())
                 total += count
                 embedding += count if key.endswith("embed_tokens.weight") else 0
     tied = config.get("tie_word_embeddings", False)
     return {"params": total, "matmul_params": total if tied else total - embedding}
 
 
-def step_limit(m: dict, rates: dict, sizes: dict, prompt_tokens: float, B: int, G: int, cores: int) -> dict:
+def step_limit(m: dict, rates: dict, sizes: dict, prompt_tokens: float, B: int, G: int, cores: int,
+               engine_bytes: int) -> dict:
     """The machine's limit for one step's necessary work (module docstring), on `cores` cores (one per policy
     rank), from our run's medians `m`."""
     completion_tokens = m["completion/length"] * B * G
     gen_flops = 2 * sizes["matmul_params"] * (prompt_tokens + completion_tokens)
     gemm = rates["gemm_gflops"] * 1e9 * cores
     gen_compute = gen_flops / gemm
-    gen_weights = m["completion/length"] * sizes["params"] * 4 / (rates["read_gb_per_s"] * 1e9)
+    gen_weights = m["completion/length"] * sizes["params"] * engine_bytes / (rates["read_gb_per_s"] * 1e9)
     train = 3 * gen_flops / gemm
     return {"generate": max(gen_compute, gen_weights), "generate_compute": gen_compute,
             "generate_weights": gen_weights, "train": train, "step": max(gen_compute, gen_weights) + train,
@@ -419,7 +421,8 @@ def report(r: dict, args: argparse.Namespace) -> str:
     peaks = " / ".join(f"{r['peaks'].get(k, nan):.2f}" for k in range(len(r["peaks"])))
     rates = r["rates"]
     lines = [f"GRPO, {args.config}, model {r['model']}, {r['B']} prompts x G={r['G']}, max_tokens {r['C']}, "
-             f"{n} steps (medians of steps {args.warmup_steps + 1}-{n}); OMP_NUM_THREADS=1, {os.cpu_count()} CPU cores",
+             f"{n} steps (medians of steps {args.warmup_steps + 1}-{n}); trainer {r['precision']['trainer']}, engine "
+             f"{r['precision']['engine']}; OMP_NUM_THREADS=1, {os.cpu_count()} CPU cores",
              "", "| ours, per step | median |", "|---|---:|",
              *(f"| {k}{PHASE_NOTES.get(k, '')} | {m[k]:.3f} s |"
                for k in STEP_PHASES),
@@ -430,7 +433,7 @@ def report(r: dict, args: argparse.Namespace) -> str:
              f"| weight sync | {m['sync/seconds'] * 1e3:.1f} ms, {m['sync/gigabytes'] * 1e3:.2f} MB, "
              f"{m['sync/gigabytes'] / m['sync/seconds']:.2f} GB/s |",
              f"| peak RSS per rank (layout {r['layout']}) | {peaks} GB |", "",
-             f"The machine's limit ({r['cores']} policy core(s); one core: fp32 GEMMs {rates['gemm_gflops']:.0f} "
+             f"The machine's limit ({r['cores']} policy core(s); one core: {r['precision']['trainer']} GEMMs {rates['gemm_gflops']:.0f} "
              f"GFLOP/s (torch {rates['gemm_gflops_by_kernel']['torch']:.0f}, oneDNN "
              f"{rates['gemm_gflops_by_kernel']['onednn']:.0f}), reads {rates['read_gb_per_s']:.1f} GB/s; "
              f"{r['sizes']['params'] / 1e6:.1f}M parameters, {limit['tokens']:,.0f} tokens per step):", "",
@@ -502,9 +505,11 @@ def main() -> None:
     if args.warmup_steps >= min(args.steps, args.sync_steps):
         sys.exit("bench error: --warmup_steps leaves no timed steps")
     sys.path.insert(0, str(REPO))
+    import torch
     from forge_core.config import load_config
     from forge_core.data import chat_prompt_ids, read_rows, sample_indices
-    from forge_core.model import ModelConfig, load_tokenizer
+    from forge_core.model import ModelConfig, bf16_chosen, load_tokenizer
+    from forge_core.rollout import engine_dtype
     from forge_core.scoring import function_names
     from train_grpo import GRPOConfig
 
@@ -515,6 +520,7 @@ def main() -> None:
     B, G, C = cfg.train.prompts_per_step, cfg.sampling.num_generations, cfg.sampling.max_tokens
     layout = (cfg.layout.policy, cfg.layout.reference, cfg.layout.reward)
     functions = function_names(cfg.rewards)
+    trainer_bf16 = bf16_chosen(cfg.fsdp.mixed_precision, on_gpu=False)
     tok = load_tokenizer(ModelConfig(path=model))
     rows = read_rows(cfg.data.path, cfg.data.split, cfg.data.subset)
     n_eval = cfg.data.eval_rows if args.eval_rows is None else args.eval_rows
@@ -526,18 +532,21 @@ def main() -> None:
                   "kv_cache_bytes": int(cfg.engine.kv_cache_gb * 2**30), "sampled": cfg.train.eval_sampled,
                   "accuracy_fn": cfg.rewards.accuracy or functions[0], "eval_rows": eval_rows,
                   "eval_prompts": [chat_prompt_ids(tok, r[cfg.data.prompt_field]) for r in eval_rows],
-                  "cores": cfg.layout.policy}
+                  "cores": cfg.layout.policy, "dtype": engine_dtype(cfg.engine.dtype, on_gpu=False)}
     r: dict = {"model": model, "B": B, "G": G, "C": C, "accuracy": {}, "accuracy_sampled": {},
                "layout": "|".join(map(str, layout)), "cores": cfg.layout.policy, "trl_procs": cfg.layout.policy}
     print("one core's GEMM rate and read bandwidth ...", flush=True)
-    r["rates"], r["sizes"] = machine_rates(model), model_sizes(model)
+    r["precision"] = {"trainer": "bf16" if trainer_bf16 else "fp32", "engine": evaluation["dtype"]}
+    r["rates"] = machine_rates(model, torch.bfloat16 if trainer_bf16 else torch.float32)
+    r["sizes"] = model_sizes(model)
     with tempfile.TemporaryDirectory(prefix="bench_grpo_") as tmp:
         print(f"ours: train_grpo.py, {args.steps} steps ...", flush=True)
         rows_ours, r["peaks"] = run_ours(args, sum(layout), model, f"{tmp}/ours", args.steps,
                                          "--data.eval_rows", str(max(n_eval, 2)))     # ours evaluates anyway
         r["ours"] = medians(rows_ours, args.warmup_steps)
         prompt_tokens = statistics.median(sum(len(ids) for ids in batch) for batch in batches[args.warmup_steps:])
-        r["limit"] = step_limit(r["ours"], r["rates"], r["sizes"], prompt_tokens, B, G, cfg.layout.policy)
+        r["limit"] = step_limit(r["ours"], r["rates"], r["sizes"], prompt_tokens, B, G, cfg.layout.policy,
+                                2 if evaluation["dtype"] == "bfloat16" else 4)
         print("standalone vLLM engine ...", flush=True)
         r["vllm"] = worker("vllm", evaluation | {"model": model, "batches": batches[args.warmup_steps:]})
         record_accuracy(r, "start", r["vllm"])
@@ -546,6 +555,7 @@ def main() -> None:
         trl_spec = {"model": model, "steps": args.steps, "B": B, "G": G, "max_tokens": C,
                     "max_model_len": cfg.engine.max_model_len, "lr": cfg.optim.lr, "betas": list(cfg.optim.betas),
                     "max_grad_norm": cfg.optim.max_grad_norm, "micro_batch_size": cfg.train.micro_batch_size,
+                    "bf16": trainer_bf16,
                     "warmup_steps": args.warmup_steps, "functions": functions, "weights": cfg.rewards.weights,
                     "rows": [{"prompt": row[cfg.data.prompt_field], "row": row} for step in step_rows for row in step]}
         trl_launcher = [trl_python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r['trl_procs']}"]

@@ -14,9 +14,10 @@ from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt
 from torch import Tensor
 
 from .config import ForgeError
+from .model import bf16_chosen
 
 __all__ = ["EngineConfig", "SamplingConfig", "Rollout", "build_engine", "join_engine_groups", "close_engines",
-           "check_kv_cache", "generate", "sampling_params", "sampled_logprobs", "pad_left", "pad_right",
+           "check_kv_cache", "engine_dtype", "generate", "sampling_params", "sampled_logprobs", "pad_left", "pad_right",
            "SharedPromptRows", "shared_prompt_rows"]
 
 Share = Annotated[float, Interval(gt=0, le=1)]
@@ -25,7 +26,8 @@ Share = Annotated[float, Interval(gt=0, le=1)]
 @dataclass
 class EngineConfig:
     tensor_parallel_size: PositiveInt = 1   # policy ranks per engine
-    dtype: str = "auto"                 # auto: bfloat16 on GPU, float32 on CPU (what FSDP computes in)
+    dtype: str = "auto"                 # auto: bfloat16 on GPU, float32 on CPU (what FSDP computes in); or
+                                        # bf16_if_native (fsdp.mixed_precision's), or any vLLM dtype
     gpu_memory_utilization: Share = 0.3  # GPU: share of memory for vLLM (weights + KV cache); CPU ignores it
     kv_cache_gb: PositiveFloat = 0.25   # CPU: KV cache size per engine
     max_model_len: PositiveInt | None = None    # default: the model's max_position_embeddings
@@ -112,11 +114,17 @@ def close_engines(engine) -> None:
         cleanup_dist_env_and_memory()
 
 
+def engine_dtype(setting: str, on_gpu: bool) -> str:
+    if setting in ("auto", "bf16_if_native"):
+        return "bfloat16" if bf16_chosen(setting, on_gpu) else "float32"
+    return setting
+
+
 def _engine_kwargs(model_path: str, cfg: EngineConfig, seed: int) -> dict:
     on_gpu = torch.cuda.is_available()
     return dict(model=model_path, distributed_executor_backend="external_launcher",
                 tensor_parallel_size=cfg.tensor_parallel_size,
-                dtype=("bfloat16" if on_gpu else "float32") if cfg.dtype == "auto" else cfg.dtype,
+                dtype=engine_dtype(cfg.dtype, on_gpu),
                 seed=seed, enforce_eager=cfg.enforce_eager, max_model_len=cfg.max_model_len,
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
                 kv_cache_memory_bytes=None if on_gpu else int(cfg.kv_cache_gb * 2**30),

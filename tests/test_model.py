@@ -64,3 +64,18 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10, (torch
     (plain_faults, plain_denormal), (tuned_faults, tuned_denormal) = measured["plain"], measured["tuned"]
     assert tuned_faults < plain_faults / 4, measured
     assert plain_denormal > 0.0 and tuned_denormal == 0.0, measured
+
+
+def test_bf16_if_native_follows_the_cpu_flags(monkeypatch):
+    """`bf16_if_native` (fsdp.mixed_precision, engine.dtype): bf16 on GPU and where the CPU has bf16 instructions,
+    fp32 elsewhere; `auto` stays fp32 on every CPU."""
+    import forge_core.model as model_module
+    from forge_core.rollout import engine_dtype
+    for flags, native in (("fpu avx2 avx512f amx_bf16 amx_tile", True), ("fpu avx2 avx512_bf16", True),
+                          ("fpu avx2 fma", False)):
+        monkeypatch.setattr(model_module, "_cpuinfo", lambda: f"processor\t: 0\nflags\t\t: {flags}\n")
+        assert model_module.cpu_has_bf16() is native
+        assert engine_dtype("bf16_if_native", on_gpu=False) == ("bfloat16" if native else "float32")
+        assert model_module.bf16_chosen("bf16_if_native", on_gpu=False) is native
+        assert engine_dtype("auto", on_gpu=False) == "float32" and not model_module.bf16_chosen("auto", False)
+        assert engine_dtype("bf16_if_native", on_gpu=True) == "bfloat16" and engine_dtype("float16", False) == "float16"

@@ -152,6 +152,9 @@ def test_sft_then_grpo_configs_run_on_smollm2(smollm2, problems, tmp_path):
     assert set(grpo) >= {1, 2} and grpo[2]["reward/errors"] == 0
     assert 0 <= grpo[2]["eval/accuracy"] <= 1 and "eval/accuracy_sampled" not in grpo[2]
     assert re.search(r"held-out accuracy: greedy [\d.]+ -> [\d.]+ \(4 rows, s.e. [\d.]+\) \(step 0 -> 2\)", proc.stdout)
+    from forge_core.model import cpu_has_bf16      # the config's precision, bf16_if_native, decided by this CPU
+    assert ("grpo: trainer bf16, engine bfloat16" if cpu_has_bf16() else "grpo: trainer fp32, engine float32") \
+        in proc.stdout
 
 
 def test_grpo_bench_runs_the_smollm2_workload(smollm2, problems, tmp_path):
