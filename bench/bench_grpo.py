@@ -16,14 +16,15 @@ One contender at a time, OMP_NUM_THREADS=1; figures are medians over the steps a
   oneDNN's kernels on the model's linears, and one read of the engine's weights per decode step (the mean
   completion length; the batch's longest is more) at one core's read bandwidth; training is 3x generation's
   FLOPs (forward and backward over each group's packed row).
-- generation peer: a plain-process vLLM engine (our engine's dtype, eager) on the same per-step chat prompts, one request
-  of n=G samples each, same max_tokens, KV block size, max_num_seqs, T=1, logprobs=0, token ids only
+- generation peer: a plain-process vLLM engine (our engine's dtype, eager) on the same per-step chat prompts,
+  one request of n=G samples each, same max_tokens, KV block size, max_num_seqs, T=1, logprobs=0, token ids only
   (detokenize=False), as ours; with 2 policy ranks, each rank's share (a contiguous block, as ours) in turn, and the
   rate of the shares as if side by side (x ranks).
 - step peers: TRL GRPOTrainer in its own venv (--trl_venv), as many processes as ours has policy ranks
   (torchrun, gloo DDP), generating with HF generate and (--trl_modes vllm) with a vLLM engine colocated in
-  each process: our trainer's precision (fp32, or bf16 autocast), no gradient checkpointing, loss dapo, beta 0, our lr, betas, clipping, G, completion
-  length, micro-batch, reward functions and weights, and our prompts in our order.
+  each process: our trainer's precision (fp32, or bf16 autocast), no gradient checkpointing, loss dapo,
+  beta 0, our lr, betas, clipping, G, completion length, micro-batch, reward functions and weights, and our
+  prompts in our order.
 - sync peers. One policy rank loads its own engine: no bytes cross ranks, so its peer is a memcpy of the same
   bytes. With 2 policy ranks (the SmolLM2 job's layout; the default job runs a second job of 2 policy ranks +
   1 reward rank for it), each rank sends its block of one flat buffer of FSDP shards to the other, then each
@@ -53,7 +54,8 @@ CACHE_BYTES = 32 * 2**20     # this machine's last-level cache (2-core AMD EPYC 
 PHASE_NOTES = {"time/score": " (the policy's exchanges; the reward ranks score during its first forward)"}
 STEP_PHASES = ("time/generate", "time/score", "time/train", "time/sync")
 PHASES = ("time/generate", "time/score", "time/train", "time/sync", "time/step", "perf/generate_tokens_per_s",
-          "perf/train_tokens_per_s", "sync/seconds", "sync/gather_seconds", "sync/gigabytes", "mem/peak_gb_rank0", "completion/length")
+          "perf/train_tokens_per_s", "sync/seconds", "sync/gather_seconds", "sync/gigabytes", "mem/peak_gb_rank0",
+          "completion/length")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -433,7 +435,8 @@ def report(r: dict, args: argparse.Namespace) -> str:
              f"| weight sync | {m['sync/seconds'] * 1e3:.1f} ms, {m['sync/gigabytes'] * 1e3:.2f} MB, "
              f"{m['sync/gigabytes'] / m['sync/seconds']:.2f} GB/s |",
              f"| peak RSS per rank (layout {r['layout']}) | {peaks} GB |", "",
-             f"The machine's limit ({r['cores']} policy core(s); one core: {r['precision']['trainer']} GEMMs {rates['gemm_gflops']:.0f} "
+             f"The machine's limit ({r['cores']} policy core(s); one core: {r['precision']['trainer']} GEMMs "
+             f"{rates['gemm_gflops']:.0f} "
              f"GFLOP/s (torch {rates['gemm_gflops_by_kernel']['torch']:.0f}, oneDNN "
              f"{rates['gemm_gflops_by_kernel']['onednn']:.0f}), reads {rates['read_gb_per_s']:.1f} GB/s; "
              f"{r['sizes']['params'] / 1e6:.1f}M parameters, {limit['tokens']:,.0f} tokens per step):", "",
