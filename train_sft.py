@@ -21,8 +21,8 @@ from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, e
                              require_fields, sample_indices)
 from forge_core.dist import Dist, DistConfig, close_dist, init_dist, run_main, set_phase
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
-from forge_core.model import (BadSteps, FSDPConfig, ModelConfig, OptimConfig, build_optimizer, export_hf, load_model,
-                              linear_kernel, load_tokenizer, optimizer_step, set_gradient_sync, shard)
+from forge_core.model import (BadSteps, FSDPConfig, ModelConfig, OptimConfig, bf16_chosen, build_optimizer, export_hf,
+                              linear_kernel, load_model, load_tokenizer, optimizer_step, set_gradient_sync, shard)
 
 
 @dataclass
@@ -167,6 +167,7 @@ def main() -> None:
               f"{d.world_size} ranks x {cfg.train.micro_batch_size} x {accum} accumulation = "
               f"{cfg.train.batch_size} sequences/step; "
               + (f"CPU GEMMs: {linear_kernel(cfg.fsdp)}; " if d.mesh.device_type == "cpu" else "")
+              + ("bf16; " if bf16_chosen(cfg.fsdp.mixed_precision, d.mesh.device_type == "cuda") else "fp32; ")
               + (f"resumed from {path}" if start_step else "fresh start"))
 
     end_step = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
