@@ -5,15 +5,15 @@ and SmolLM2-135M on GSM8K-style problems (2 policy ranks; its start model is `ma
     python bench/bench_grpo.py                       # about 8 minutes on 2 CPU cores (+2 min once: the TRL venv)
     python bench/bench_grpo.py --steps 30 --no_trl --model runs/sft-tiny/hf
     python bench/bench_grpo.py --config configs/grpo/smollm2_gsm8k_style.yaml --steps 6 --warmup_steps 2 \
-        --eval_rows 0 --step_target 0.5             # about 35 minutes
+        --eval_rows 0 --step_target 0.5             # about 17 minutes
 
 One contender at a time, OMP_NUM_THREADS=1; figures are medians over the steps after --warmup_steps.
 - ours: train_grpo.py; phases from OUT/metrics.jsonl (time/step is wall clock per step, logging included, as
   TRL's step timer sees it), peak RSS of every rank polled from /proc.
 - the machine's limit for the step's necessary work, from one core's measured rates (each policy rank has a
   core): generation is the larger of its FLOPs (2 x the model's matmul parameters per token: every prompt once,
-  as prefix caching prefills it, and every completion token) at the best fp32 GEMM rate of torch's and
-  oneDNN's kernels on the model's linears, and one read of the engine's weights per decode step (the mean
+  as prefix caching prefills it, and every completion token) at the best GEMM rate of torch's and oneDNN's
+  kernels on the model's linears in the trainer's precision, and one read of the engine's weights per decode step (the mean
   completion length; the batch's longest is more) at one core's read bandwidth; training is 3x generation's
   FLOPs (forward and backward over each group's packed row).
 - generation peer: a plain-process vLLM engine (our engine's dtype, eager) on the same per-step chat prompts,
@@ -177,10 +177,10 @@ def vllm_worker(spec: dict) -> dict:
               max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"])
     rates = []
     sample = SamplingParams(n=spec["G"], max_tokens=spec["max_tokens"], temperature=1.0, logprobs=0, detokenize=False)
+    shares = spec["cores"]
     for batch in spec["batches"]:       # each policy rank's share in turn; the rate of all of them side by side
-        shares, tokens, t0 = spec["cores"], 0, time.perf_counter()
+        per_rank, tokens, t0 = len(batch) // shares, 0, time.perf_counter()
         for share in range(shares):
-            per_rank = len(batch) // shares
             outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch[share * per_rank:][:per_rank]],
                                    sample, use_tqdm=False)
             tokens += sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -318,17 +318,17 @@ def machine_rates(model: str, dtype) -> dict:
     torch.set_num_threads(1)
     config = json.loads(Path(model, "config.json").read_text())
     rows, layers = 1024, config["num_hidden_layers"]
-    flops, seconds = {"torch": 0.0, "onednn": 0.0}, {"torch": 0.0, "onednn": 0.0}
+    flops, seconds = 0, {"torch": 0.0, "onednn": 0.0}
     for name, (out, inp) in linear_shapes(config).items():
         x, w = torch.randn(rows, inp, dtype=dtype), torch.randn(out, inp, dtype=dtype)
         copies = 1 if name == "lm_head" else layers
+        flops += copies * 2 * rows * out * inp
         for kernel, fn in (("torch", lambda: F.linear(x, w)), ("onednn", lambda: onednn_linear(x, w, None))):
             seconds[kernel] += copies * seconds_per_call(fn, 3)
-            flops[kernel] += copies * 2 * rows * out * inp
     data = torch.ones(2**28)
     read_s = min(seconds_per_call(data.sum, 1) for _ in range(3))
-    return {"gemm_gflops": max(flops[k] / seconds[k] for k in flops) / 1e9,
-            "gemm_gflops_by_kernel": {k: flops[k] / seconds[k] / 1e9 for k in flops},
+    by_kernel = {k: flops / s / 1e9 for k, s in seconds.items()}
+    return {"gemm_gflops": max(by_kernel.values()), "gemm_gflops_by_kernel": by_kernel,
             "read_gb_per_s": data.numel() * 4 / read_s / 1e9}
 
 
@@ -451,7 +451,7 @@ def report(r: dict, args: argparse.Namespace) -> str:
     trl = r.get("trl", {})
     for mode, t in trl.items():
         lines.append(f"| step time against TRL, {TRL_MODES[mode]} | {m['time/step']:.3f} s | {t['step_s']:.3f} s | "
-                     f"TRL 1.16 GRPOTrainer, {r['trl_procs']} process(es) | {m['time/step'] / t['step_s']:.2f} | | |")
+                     f"TRL 1.16 GRPOTrainer, {r['cores']} process(es) | {m['time/step'] / t['step_s']:.2f} | | |")
     for mode, error in r["trl_failed"].items():
         lines.append(f"| step time against TRL, {TRL_MODES[mode]} | {m['time/step']:.3f} s | did not run | {error} "
                      f"| | | |")
@@ -516,10 +516,9 @@ def main() -> None:
     from forge_core.scoring import function_names
     from train_grpo import GRPOConfig
 
-    configured = load_config(GRPOConfig, ["--config", args.config])
-    model = ensure_model(args, configured.model.path)
+    cfg = load_config(GRPOConfig, ["--config", args.config, "--train.steps", str(args.steps)])
+    model = ensure_model(args, cfg.model.path)      # what runs; cfg.model.path is not read after this
     trl_python = None if args.no_trl else ensure_venv(args.trl_venv)
-    cfg = load_config(GRPOConfig, ["--config", args.config, "--model.path", model, "--train.steps", str(args.steps)])
     B, G, C = cfg.train.prompts_per_step, cfg.sampling.num_generations, cfg.sampling.max_tokens
     layout = (cfg.layout.policy, cfg.layout.reference, cfg.layout.reward)
     functions = function_names(cfg.rewards)
@@ -537,7 +536,7 @@ def main() -> None:
                   "eval_prompts": [chat_prompt_ids(tok, r[cfg.data.prompt_field]) for r in eval_rows],
                   "cores": cfg.layout.policy, "dtype": engine_dtype(cfg.engine.dtype, on_gpu=False)}
     r: dict = {"model": model, "B": B, "G": G, "C": C, "accuracy": {}, "accuracy_sampled": {},
-               "layout": "|".join(map(str, layout)), "cores": cfg.layout.policy, "trl_procs": cfg.layout.policy}
+               "layout": "|".join(map(str, layout)), "cores": cfg.layout.policy}
     print("one core's GEMM rate and read bandwidth ...", flush=True)
     r["precision"] = {"trainer": "bf16" if trainer_bf16 else "fp32", "engine": evaluation["dtype"]}
     r["rates"] = machine_rates(model, torch.bfloat16 if trainer_bf16 else torch.float32)
@@ -561,7 +560,7 @@ def main() -> None:
                     "bf16": trainer_bf16,
                     "warmup_steps": args.warmup_steps, "functions": functions, "weights": cfg.rewards.weights,
                     "rows": [{"prompt": row[cfg.data.prompt_field], "row": row} for step in step_rows for row in step]}
-        trl_launcher = [trl_python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r['trl_procs']}"]
+        trl_launcher = [trl_python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r['cores']}"]
         r["trl"], r["trl_failed"] = {}, {}
         for mode in args.trl_modes if trl_python else []:
             print(f"TRL GRPOTrainer ({TRL_MODES[mode]}), {args.steps} steps ...", flush=True)

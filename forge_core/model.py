@@ -145,7 +145,7 @@ def cpu_has_bf16() -> bool:
 def bf16_chosen(setting: str, on_gpu: bool) -> bool:
     """A precision setting (fsdp.mixed_precision, engine.dtype) resolved on this machine: bf16 or not. Decided by
     the CPU's flags, not a start-up timing, so a run and its resume on one machine compute alike."""
-    return setting in ("bf16", "bfloat16") or (setting in ("auto", "bf16_if_native") and on_gpu) or \
+    return setting == "bf16" or (setting in ("auto", "bf16_if_native") and on_gpu) or \
         (setting == "bf16_if_native" and cpu_has_bf16())
 
 
