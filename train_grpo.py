@@ -32,7 +32,7 @@ from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (BadSteps, FSDPConfig, ModelConfig, OptimConfig, bf16_chosen, build_optimizer, export_hf,
                               linear_kernel, load_model, load_tokenizer, optimizer_step, set_gradient_sync, shard)
 from forge_core.rollout import (EngineConfig, Rollout, SamplingConfig, build_engine, check_kv_cache, close_engines,
-                                engine_dtype, generate, join_engine_groups, shared_prompt_rows)
+                                balanced_share, engine_dtype, generate, join_engine_groups, shared_prompt_rows)
 from forge_core.scoring import accuracy_scorer, function_names, load_reward_functions, reward_pool, score
 from forge_core.sync import WeightSync
 
@@ -435,7 +435,7 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
     reference ranks (exchange 1); its scores come back in exchange 2, which the trainer waits for when it needs
     them. With `one_step_off`, step t's rollout goes out before step t-1's is trained on, so it was sampled by
     weights one update older; the truncated importance-sampling weight in `grpo_loss` corrects for that."""
-    me, P = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks)
+    me, P, G = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks), cfg.sampling.num_generations
     per_rank = cfg.train.prompts_per_step // P
     waiting = None
     for step in steps:
@@ -443,6 +443,8 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
         set_phase("generate")
         index = sample_indices(step, cfg.train.prompts_per_step, num_rows, cfg.train.seed)[me * per_rank:(me + 1) * per_rank]
         rollout = sample(index, seed=cfg.train.seed + step * 1_000 + roles.rank)
+        rollout = balanced_share(exchange(rollout, roles.groups["policy"]), me, G, cfg.train.micro_batch_size,
+                                 per_rank * G // cfg.train.mini_batches)
         t1 = time.perf_counter()
         rollout.seconds["generate"] = t1 - t0 - rollout.seconds.get("tools", 0.0)
         send_rollout(rollout, roles)

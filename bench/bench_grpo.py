@@ -473,8 +473,9 @@ def report(r: dict, args: argparse.Namespace) -> str:
         lines.append(f"| weight sync, 1 policy rank (no bytes cross ranks, so no broadcast to compare with) "
                      f"| {m['sync/seconds'] * 1e3:.2f} ms | {r['memcpy_s'] * 1e3:.2f} ms | memcpy of the same "
                      f"{mb:.2f} MB (in cache) | {m['sync/seconds'] / r['memcpy_s']:.2f} | | |")
-    lines.append(compare(f"weight sync, 2 policy ranks (pack, exchange, own rows in: "
-                         f"{m2['sync/gather_seconds'] * 1e3:.2f} ms)",
+    how = (f"pack, exchange, own rows in: {m2['sync/gather_seconds'] * 1e3:.2f} ms" if r["sharded"] else
+           "replicated, fsdp.shard false: each copies its own whole weights in, no bytes cross ranks")
+    lines.append(compare(f"weight sync, 2 policy ranks ({how})",
                          f"{m2['sync/seconds'] * 1e3:.2f} ms", f"{r['broadcast']['seconds'] * 1e3:.2f} ms",
                          f"one flat gloo broadcast of the same {mb:.2f} MB, rank 0 -> 1, caches as a step leaves "
                          f"them (back to back, all in cache: {r['broadcast']['hot_seconds'] * 1e3:.2f} ms; a flat "
@@ -536,7 +537,7 @@ def main() -> None:
                   "eval_prompts": [chat_prompt_ids(tok, r[cfg.data.prompt_field]) for r in eval_rows],
                   "cores": cfg.layout.policy, "dtype": engine_dtype(cfg.engine.dtype, on_gpu=False)}
     r: dict = {"model": model, "B": B, "G": G, "C": C, "accuracy": {}, "accuracy_sampled": {},
-               "layout": "|".join(map(str, layout)), "cores": cfg.layout.policy}
+               "layout": "|".join(map(str, layout)), "cores": cfg.layout.policy, "sharded": cfg.fsdp.shard}
     print("one core's GEMM rate and read bandwidth ...", flush=True)
     r["precision"] = {"trainer": "bf16" if trainer_bf16 else "fp32", "engine": evaluation["dtype"]}
     r["rates"] = machine_rates(model, torch.bfloat16 if trainer_bf16 else torch.float32)

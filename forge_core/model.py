@@ -42,6 +42,11 @@ class FSDPConfig:
     mixed_precision: Literal["auto", "fp32", "bf16", "bf16_if_native"] = "auto"
     activation_checkpointing: bool = False
     reshard_after_forward: bool = True
+    # false: every rank keeps the whole model, its gradients and Adam's state (DDP), and the gradients are
+    # all-reduced once per optimizer step, instead of FSDP's all-gathers per layer and micro-batch and its
+    # reduce-scatter: faster on CPU for a model whose training state fits each rank (the SmolLM2 GRPO train
+    # phase 12% faster in fp32 on a Xeon, 24% with train_grpo's balanced deal; docs/design.md)
+    shard: bool = True
     # CPU, fp32: the GEMMs of every nn.Linear. auto = oneDNN on AMD (2.3x torch's MKL on a Zen 5, equal on Zen 1/3),
     # torch's own on Intel (MKL's fast paths; oneDNN was 0.8-1.05x of it on AVX-512 Xeons): bench/bench_gemm.py
     linear_kernel: Literal["auto", "onednn", "torch"] = "auto"
@@ -105,7 +110,14 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def shard(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Module:
     """oneDNN linears on CPU (optional), activation checkpointing (optional), then fully_shard each decoder
-    layer and the root."""
+    layer and the root. With `cfg.shard` false each rank keeps the whole model: it is "sharded" over a mesh of
+    this rank alone (FSDP's bf16 casting, no collectives) and `optimizer_step` all-reduces the gradients over
+    `mesh`'s ranks, its `replica_group`."""
+    if not cfg.shard and mesh.size() > 1:
+        alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        model = shard(model, DeviceMesh.from_group(alone, mesh.device_type), cfg)
+        model.replica_group = mesh.get_group()
+        return model
     if mesh.device_type == "cpu" and linear_kernel(cfg) == "onednn":
         use_onednn_linears(model)
     bf16 = bf16_chosen(cfg.mixed_precision, mesh.device_type == "cuda")
@@ -234,6 +246,8 @@ def optimizer_step(model: nn.Module, optim, sched, max_grad_norm: float) -> floa
     the run before a sync, checkpoint or export carries them. Both norms are global over FSDP's shards, so
     every rank decides the same."""
     params = [p for p in model.parameters() if p.grad is not None]
+    if (replicas := getattr(model, "replica_group", None)) is not None:
+        _average_gradients(params, replicas)
     norm = _global(torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf")))
     if math.isfinite(norm):
         optim.step()
@@ -243,6 +257,15 @@ def optimizer_step(model: nn.Module, optim, sched, max_grad_norm: float) -> floa
     sched.step()
     optim.zero_grad(set_to_none=True)
     return norm
+
+
+def _average_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """DDP's step: the replicas' gradients summed (one async all-reduce per tensor: gloo works through them back
+    to back), then divided by the ranks, as FSDP's reduce-scatter averages."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    for work in [dist.all_reduce(g, group=group, async_op=True) for g in grads]:
+        work.wait()
+    torch._foreach_div_(grads, dist.get_world_size(group))
 
 
 def _global(norm: torch.Tensor) -> float:

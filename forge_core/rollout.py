@@ -4,6 +4,7 @@ The engine runs inside the training process (`distributed_executor_backend="exte
 generation, training and weight sync share one process and one device.
 """
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -18,7 +19,7 @@ from .model import bf16_chosen
 
 __all__ = ["EngineConfig", "SamplingConfig", "Rollout", "build_engine", "join_engine_groups", "close_engines",
            "check_kv_cache", "engine_dtype", "generate", "sampling_params", "sampled_logprobs", "pad_left", "pad_right",
-           "SharedPromptRows", "shared_prompt_rows"]
+           "SharedPromptRows", "shared_prompt_rows", "cat_rollouts", "balanced_share"]
 
 Share = Annotated[float, Interval(gt=0, le=1)]
 
@@ -77,13 +78,64 @@ class Rollout:
         mask = self.completion_mask if self.model_mask is None else self.completion_mask * self.model_mask
         return mask if self.kept is None else mask * self.kept.unsqueeze(1)
 
-    def select(self, index: slice) -> "Rollout":
-        """The sequences in `index` (a slice), every per-sequence field cut the same way."""
-        cut = {k: (v[index] if isinstance(v, (Tensor, list)) else v) for k, v in vars(self).items()}
+    def select(self, index: slice | list[int]) -> "Rollout":
+        """The sequences in `index` (a slice or a list of positions), every per-sequence field cut the same way."""
+        def cut_list(v: list) -> list:
+            return v[index] if isinstance(index, slice) else [v[i] for i in index]
+        cut = {k: (v[index] if isinstance(v, Tensor) else cut_list(v) if isinstance(v, list) else v)
+               for k, v in vars(self).items()}
         cut["reward_terms"] = {k: v[index] for k, v in self.reward_terms.items()}
         cut["episode"] = {k: v[index] for k, v in self.episode.items()}
         cut["seconds"] = dict(self.seconds)
         return Rollout(**cut)
+
+
+def cat_rollouts(parts: list[Rollout]) -> Rollout:
+    """The sequences of `parts` in order: prompts left-padded and completions right-padded to the widest part's
+    (pads are 0, masked out); wall times are the first part's."""
+    def cat(values: list, left: bool):
+        if values[0] is None or isinstance(values[0], list):
+            return None if values[0] is None else [x for v in values for x in v]
+        if isinstance(values[0], dict):
+            return {k: cat([v[k] for v in values], left) for k in values[0]}
+        width = max(v.shape[-1] for v in values)
+        return torch.cat([v if v.dim() == 1 else torch.nn.functional.pad(
+            v, (width - v.shape[1], 0) if left else (0, width - v.shape[1])) for v in values])
+    fields = {k: cat([vars(p)[k] for p in parts], left=k.startswith("prompt")) for k in vars(parts[0])}
+    return Rollout(**fields | {"seconds": dict(parts[0].seconds)})
+
+
+def balanced_share(shares: list[Rollout], me: int, G: int, micro: int, mini: int) -> Rollout:
+    """Policy rank `me`'s share of all policy ranks' rollouts (`shares`, in rank order, equal sizes), re-dealt
+    so that groups of like size are trained side by side and every rank gets about as many tokens. A packed
+    row is as wide as the widest group of its micro-batch, and ranks wait for each other: under FSDP at every
+    layer of every micro-batch, replicated (`fsdp.shard` false) at the gradients' all-reduce. So each
+    mini-batch's groups are sorted by width and cut into micro-batches, the k-th micro-batch of every rank
+    from the k-th run of that order, and each goes to the rank with the fewest tokens so far. Groups stay whole
+    (advantages compare a group) and in their mini-batch (one optimizer step each). A micro-batch that does
+    not hold whole groups deals in slots of lcm(micro, G) sequences; sizes that do not split so keep the
+    sampled order."""
+    P, n = len(shares), len(shares[me])
+    slot = math.lcm(micro, G)
+    if mini % slot or P * n // slot == 1:
+        return shares[me]
+    whole = cat_rollouts(shares)
+    width = whole.completion_mask.sum(1) + whole.prompt_mask.sum(1) / G      # a group's prompt is computed once
+    width = width.view(-1, G).sum(1).tolist()                                 # per group, in rank order
+    per_slot, loads, dealt = slot // G, [0.0] * P, [[] for _ in range(P)]
+    for m in range(n // mini):
+        groups = sorted(((r * n + m * mini) // G + j for r in range(P) for j in range(mini // G)),
+                        key=lambda g: -width[g])
+        for k in range(0, len(groups), P * per_slot):        # the k-th micro-batches (slots) of all ranks
+            slots = [groups[i:i + per_slot] for i in range(k, k + P * per_slot, per_slot)]
+            for ranks_slot, r in zip(slots, sorted(range(P), key=lambda r: loads[r])):   # widest to the least loaded
+                dealt[r] += ranks_slot
+                loads[r] += per_slot * width[ranks_slot[0]]                   # the slot is padded to its widest
+    mine = whole.select([g * G + i for g in dealt[me] for i in range(G)])
+    prompt = int(mine.prompt_mask.sum(1).max())                             # left-padded: real tokens at the end
+    mine.prompt_ids, mine.prompt_mask = mine.prompt_ids[:, -prompt:], mine.prompt_mask[:, -prompt:]
+    mine.seconds = dict(shares[me].seconds)
+    return mine
 
 
 def build_engine(model_path: str, cfg: EngineConfig, seed: int):

@@ -4,8 +4,9 @@ import math
 
 import pytest
 import torch
+from torch import Tensor
 
-from forge_core.rollout import Rollout, shared_prompt_rows
+from forge_core.rollout import Rollout, balanced_share, pad_left, pad_right, shared_prompt_rows
 from train_grpo import LossConfig, group_advantages, grpo_loss, kl_penalty, token_logprobs, zero_variance_groups
 
 
@@ -148,3 +149,54 @@ def test_a_dropped_group_leaves_the_loss_not_the_layout():
     torch.testing.assert_close(loss, kept_only)
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def random_share(rank: int, groups: int, G: int, seed: int) -> Rollout:
+    """One rank's rollout: `groups` prompts of 3-12 tokens, G completions of 1-10 tokens each (ids < 50)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 50, (int(torch.randint(3, 13, (), generator=gen)),), generator=gen).tolist()
+               for _ in range(groups)]
+    completions = [torch.randint(1, 50, (int(torch.randint(1, 11, (), generator=gen)),), generator=gen).tolist()
+                   for _ in range(groups * G)]
+    prompt_ids, prompt_mask = (t.repeat_interleave(G, 0) for t in pad_left(prompts, 0))
+    completion_ids, completion_mask = pad_right(completions, 0)
+    logprobs, _ = pad_right([[-0.1 * len(c)] * len(c) for c in completions], 0.0, dtype=torch.float32)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, logprobs,
+                   torch.zeros(groups * G, dtype=torch.bool), [100 * rank + g for g in range(groups) for _ in range(G)])
+
+
+def test_balanced_share_deals_whole_groups_of_like_width_and_keeps_every_logprob():
+    """Two ranks, two mini-batches of four groups each, micro-batches of two groups: every sequence ends up on
+    exactly one rank, whole groups in their own mini-batch; the micro-batches side by side are as wide as sorting
+    allows (never wider than as sampled); each moved sequence has the logprobs it had on its own rank."""
+    G, micro, mini = 3, 6, 12
+    model = tiny_llama()
+
+    def sequences(p: Rollout) -> dict[tuple, tuple[Tensor, Tensor]]:
+        """(row, completion) -> (trainer's logprobs, sampler's), each cut to the completion's length."""
+        with torch.no_grad():
+            logp = token_logprobs(model, p, temperature=1.0)[0]
+        lengths = p.completion_mask.sum(1).tolist()
+        return {(r, tuple(c[:n].tolist())): (lp[:n], s[:n]) for r, c, n, lp, s in
+                zip(p.row_ids, p.completion_ids, lengths, logp, p.sampler_logprobs)}
+
+    def widths(parts: list[Rollout]) -> list[int]:      # each micro-batch's packed width, the largest over ranks
+        return [max(shared_prompt_rows(p.select(slice(k, k + micro))).input_ids.shape[1] for p in parts)
+                for k in range(0, 2 * mini, micro)]
+
+    for seed in range(3):
+        shares = [random_share(rank, 8, G, seed * 2 + rank) for rank in range(2)]
+        dealt = [balanced_share(shares, me, G, micro, mini) for me in range(2)]
+        assert sum(widths(dealt)) <= sum(widths(shares))
+        for m in range(2):
+            assert sorted(r for p in dealt for r in p.row_ids[m * mini:(m + 1) * mini]) == \
+                sorted(r for p in shares for r in p.row_ids[m * mini:(m + 1) * mini])
+        for p in dealt:
+            assert p.row_ids[::G] == p.row_ids[G - 1::G]                     # groups whole and contiguous
+            assert p.prompt_mask[:, 0].any()                                  # no prompt column of padding only
+        before = sequences(shares[0]) | sequences(shares[1])
+        after = sequences(dealt[0]) | sequences(dealt[1])
+        assert after.keys() == before.keys()
+        for key, (logp, sampled) in after.items():
+            torch.testing.assert_close(logp, before[key][0], atol=1e-5, rtol=0)
+            assert torch.equal(sampled, before[key][1])

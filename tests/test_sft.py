@@ -15,17 +15,19 @@ SHORT = ["--train.steps", "6", "--train.batch_size", "8", "--train.micro_batch_s
 
 
 def test_two_rank_fsdp_matches_one_process(tiny, tmp_path):
+    """Two ranks, sharded (FSDP) or replicated (`--fsdp.no_shard`: DDP), learn as one process does."""
     run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "one", *SHORT), nproc=1)
     # the sharded run also checkpoints activations: it must change memory, not numbers
-    run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "two", *SHORT, "--fsdp.activation_checkpointing"), nproc=2)
-    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
-    for step in range(1, 7):
-        assert one[step]["train/loss"] == pytest.approx(two[step]["train/loss"], abs=1e-5), step
-        assert one[step]["train/grad_norm"] == pytest.approx(two[step]["train/grad_norm"], rel=1e-4), step
-    w1, w2 = load_file(tmp_path / "one" / "hf" / "model.safetensors"), load_file(tmp_path / "two" / "hf" / "model.safetensors")
-    assert w1.keys() == w2.keys()
-    for name in w1:
-        torch.testing.assert_close(w1[name], w2[name], atol=2e-5, rtol=0, msg=name)
+    for name, extra in (("sharded", "--fsdp.activation_checkpointing"), ("replicated", "--fsdp.no_shard")):
+        run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / name, *SHORT, extra), nproc=2)
+        one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / name)
+        for step in range(1, 7):
+            assert one[step]["train/loss"] == pytest.approx(two[step]["train/loss"], abs=1e-5), (name, step)
+            assert one[step]["train/grad_norm"] == pytest.approx(two[step]["train/grad_norm"], rel=1e-4), (name, step)
+        w1, w2 = (load_file(tmp_path / run / "hf" / "model.safetensors") for run in ("one", name))
+        assert w1.keys() == w2.keys()
+        for key in w1:
+            torch.testing.assert_close(w1[key], w2[key], atol=2e-5, rtol=0, msg=f"{name} {key}")
 
 
 def test_linear_kernels_give_the_same_losses(tiny, tmp_path):
