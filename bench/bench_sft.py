@@ -64,7 +64,7 @@ def run_ours(cfg: BenchConfig, nproc: int) -> Result:
         run_checked(cmd)
         rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     timed = [r["train/tokens_per_s"] for r in rows if r["step"] > cfg.warmup_steps]
-    return Result("ours: train_sft.py (FSDP2)", nproc, statistics.median(timed), rows[-1]["mem/peak_gb_rank0"],
+    return Result("ours: train_sft.py", nproc, statistics.median(timed), rows[-1]["mem/peak_gb_rank0"],
                   rows[-1]["train/loss"])
 
 
