@@ -32,7 +32,8 @@ from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (BadSteps, FSDPConfig, ModelConfig, OptimConfig, bf16_chosen, build_optimizer, export_hf,
                               linear_kernel, load_model, load_tokenizer, optimizer_step, set_gradient_sync, shard)
 from forge_core.rollout import (EngineConfig, Rollout, SamplingConfig, build_engine, check_kv_cache, close_engines,
-                                balanced_share, engine_dtype, generate, join_engine_groups, shared_prompt_rows)
+                                balanced_share, engine_dtype, generate, join_engine_groups, pad_cat,
+                                shared_prompt_rows)
 from forge_core.scoring import accuracy_scorer, function_names, load_reward_functions, reward_pool, score
 from forge_core.sync import WeightSync
 
@@ -260,9 +261,7 @@ def merge_rollouts(gathered: list) -> dict:
     parts = [p for p in gathered if p is not None]
 
     def cat(key: str, left: bool) -> Tensor:
-        width = max(p[key].shape[1] for p in parts)
-        return torch.cat([torch.nn.functional.pad(p[key], (width - p[key].shape[1], 0) if left else
-                                                  (0, width - p[key].shape[1])) for p in parts])
+        return pad_cat([p[key] for p in parts], left)
     return {"prompt_ids": cat("prompt_ids", True), "prompt_mask": cat("prompt_mask", True),
             "completion_ids": cat("completion_ids", False), "completion_mask": cat("completion_mask", False),
             "row_ids": [r for p in parts for r in p["row_ids"]]}

@@ -172,7 +172,10 @@ def init_roles(layout: Layout, cfg: DistConfig = DistConfig(), reference_scores:
 
 def exchange(payload, group: dist.ProcessGroup | None = None) -> list:
     """Every rank contributes one picklable object and receives everyone's (rank order). It is how token
-    ids go out to the reference and reward ranks and how rewards and logprobs come back."""
+    ids go out to the reference and reward ranks and how rewards and logprobs come back. A group of one rank
+    (one policy rank re-dealing its own rollout, a policy-only layout's scoring) has nothing to send."""
+    if dist.get_world_size(group) == 1:
+        return [payload]
     phase, since = _here.phase, _here.since
     set_phase("exchange")
     gathered = [None] * dist.get_world_size(group)

@@ -19,7 +19,7 @@ from .model import bf16_chosen
 
 __all__ = ["EngineConfig", "SamplingConfig", "Rollout", "build_engine", "join_engine_groups", "close_engines",
            "check_kv_cache", "engine_dtype", "generate", "sampling_params", "sampled_logprobs", "pad_left", "pad_right",
-           "SharedPromptRows", "shared_prompt_rows", "cat_rollouts", "balanced_share"]
+           "SharedPromptRows", "shared_prompt_rows", "pad_cat", "cat_rollouts", "balanced_share"]
 
 Share = Annotated[float, Interval(gt=0, le=1)]
 
@@ -90,6 +90,14 @@ class Rollout:
         return Rollout(**cut)
 
 
+def pad_cat(values: list[Tensor], left: bool) -> Tensor:
+    """Per-sequence tensors of several batches, one batch after the other: [n, width] ones padded with 0 to the
+    widest (on the left for left-padded prompts), [n] ones as they are."""
+    width = max(v.shape[-1] for v in values)
+    return torch.cat([v if v.dim() == 1 else torch.nn.functional.pad(
+        v, (width - v.shape[1], 0) if left else (0, width - v.shape[1])) for v in values])
+
+
 def cat_rollouts(parts: list[Rollout]) -> Rollout:
     """The sequences of `parts` in order: prompts left-padded and completions right-padded to the widest part's
     (pads are 0, masked out); wall times are the first part's."""
@@ -98,9 +106,7 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
             return None if values[0] is None else [x for v in values for x in v]
         if isinstance(values[0], dict):
             return {k: cat([v[k] for v in values], left) for k in values[0]}
-        width = max(v.shape[-1] for v in values)
-        return torch.cat([v if v.dim() == 1 else torch.nn.functional.pad(
-            v, (width - v.shape[1], 0) if left else (0, width - v.shape[1])) for v in values])
+        return pad_cat(values, left)
     fields = {k: cat([vars(p)[k] for p in parts], left=k.startswith("prompt")) for k in vars(parts[0])}
     return Rollout(**fields | {"seconds": dict(parts[0].seconds)})
 
