@@ -39,6 +39,17 @@ def problems(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def one_step_problems(tmp_path_factory) -> Path:
+    """The easy subset: one-step problems only, and the careless teacher of `make run-smol` (70% of its final
+    answers slip in the last digit), so that a short SFT learns the format and the slip and GRPO has both
+    right and wrong answers in most groups."""
+    out = tmp_path_factory.mktemp("gsm8k_one_step")
+    run_tool("make_gsm8k_style.py", "--out", str(out), "--train-rows", "300", "--eval-rows", "50",
+             "--hard-fraction", "0", "--label-noise", "0.7")
+    return out
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -132,26 +143,32 @@ def test_the_careless_teacher_slips_only_in_the_final_answer(problems, tmp_path)
 
 # ---- the configs, end to end ----
 
-def test_sft_then_grpo_configs_run_on_smollm2(smollm2, problems, tmp_path):
-    """`make run-smol`, shortened: 2 SFT steps on 2 FSDP ranks on the careless teacher's responses, then 2 GRPO
-    steps from its export with the shipped config (2 policy ranks, a vLLM engine each, math-verify rewards)."""
-    data = ["--data.path", str(problems / "train.jsonl"), "--data.eval_path", str(problems / "eval.jsonl")]
+def test_sft_then_grpo_configs_raise_the_reward_on_smollm2(smollm2, one_step_problems, tmp_path):
+    """`make run-smol`, shortened, on one-step problems: 10 SFT steps on 2 ranks imitate the careless teacher,
+    then 6 GRPO steps with the shipped config (2 replicated policy ranks, a vLLM engine each, math-verify for
+    the true answer) unlearn it: held-out greedy accuracy, the reward on 32 unseen problems, rises by more
+    than 3 of its standard errors (the training reward of 8 problems a step is too noisy to test)."""
+    data = ["--data.path", str(one_step_problems / "train.jsonl"),
+            "--data.eval_path", str(one_step_problems / "eval.jsonl")]
     run_script("train_sft.py", ["--config", "configs/sft/smollm2_gsm8k_style.yaml", "--model.path", str(smollm2),
-                                *data, "--out_dir", str(tmp_path / "sft"), "--train.steps", "2",
-                                "--train.batch_size", "4", "--train.micro_batch_size", "2", "--train.log_every", "1",
-                                "--data.eval_rows", "2", "--train.eval_max_new_tokens", "4"], nproc=2)
+                                *data, "--out_dir", str(tmp_path / "sft"), "--train.steps", "10",
+                                "--train.log_every", "5", "--data.eval_rows", "2",
+                                "--train.eval_max_new_tokens", "4"], nproc=2)
     sft = read_metrics(tmp_path / "sft")
-    assert 0 < sft[2]["train/loss"] < 5 and (tmp_path / "sft" / "hf" / "model.safetensors").is_file()
+    assert sft[10]["train/loss"] < 0.5 * sft[5]["train/loss"]
+    assert (tmp_path / "sft" / "hf" / "model.safetensors").is_file()
 
     proc = run_script("train_grpo.py", ["--config", "configs/grpo/smollm2_gsm8k_style.yaml",
                                         "--model.path", str(tmp_path / "sft" / "hf"), *data,
-                                        "--out_dir", str(tmp_path / "grpo"), "--train.steps", "2",
-                                        "--train.prompts_per_step", "2", "--sampling.num_generations", "2",
-                                        "--sampling.max_tokens", "24", "--data.eval_rows", "4"], nproc=2)
+                                        "--out_dir", str(tmp_path / "grpo"), "--train.steps", "6",
+                                        "--sampling.max_tokens", "48", "--optim.lr", "2e-5",
+                                        "--data.eval_rows", "32"], nproc=2)
     grpo = read_metrics(tmp_path / "grpo")
-    assert set(grpo) >= {1, 2} and grpo[2]["reward/errors"] == 0
-    assert 0 <= grpo[2]["eval/accuracy"] <= 1 and "eval/accuracy_sampled" not in grpo[2]
-    assert re.search(r"held-out accuracy: greedy [\d.]+ -> [\d.]+ \(4 rows, s.e. [\d.]+\) \(step 0 -> 2\)", proc.stdout)
+    before, after = (float(x) for x in re.search(
+        r"held-out accuracy: greedy ([\d.]+) -> ([\d.]+) \(32 rows, s.e. [\d.]+\) \(step 0 -> 6\)", proc.stdout).groups())
+    training_rewards = [round(grpo[step]["reward/mean"], 3) for step in range(1, 7)]
+    assert after > before + 0.25, (before, after, training_rewards)      # 0.16 -> 0.72 and 0.19 -> 0.75 measured
+    assert all(grpo[step]["reward/errors"] == 0 for step in grpo) and "eval/accuracy_sampled" not in grpo[6]
     from forge_core.model import cpu_has_bf16      # the config's precision, bf16_if_native, decided by this CPU
     assert ("grpo: trainer bf16, engine bfloat16" if cpu_has_bf16() else "grpo: trainer fp32, engine float32") \
         in proc.stdout
