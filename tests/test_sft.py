@@ -15,11 +15,12 @@ SHORT = ["--train.steps", "6", "--train.batch_size", "8", "--train.micro_batch_s
 
 
 def test_two_rank_fsdp_matches_one_process(tiny, tmp_path):
-    """Two ranks, sharded (FSDP) or replicated (`--fsdp.no_shard`: DDP), learn as one process does."""
+    """Two ranks, sharded (`--fsdp.shard`: FSDP) or replicated (DDP, what the tiny config says), learn as one
+    process does."""
     run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "one", *SHORT), nproc=1)
     # the sharded run also checkpoints activations: it must change memory, not numbers
-    for name, extra in (("sharded", "--fsdp.activation_checkpointing"), ("replicated", "--fsdp.no_shard")):
-        run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / name, *SHORT, extra), nproc=2)
+    for name, extra in (("sharded", ("--fsdp.shard", "--fsdp.activation_checkpointing")), ("replicated", ())):
+        run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / name, *SHORT, *extra), nproc=2)
         one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / name)
         for step in range(1, 7):
             assert one[step]["train/loss"] == pytest.approx(two[step]["train/loss"], abs=1e-5), (name, step)
