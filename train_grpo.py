@@ -176,9 +176,12 @@ def token_logprobs(model, part: Rollout, temperature: float, with_entropy: bool 
     """Log-probabilities [n, C] of the completion tokens under `model` (and the entropy of each step). Each
     prompt is computed once for its group (`shared_prompt_rows`), logits only where completions are read, and
     the softmax over the vocabulary once per position before the tokens' values are picked out."""
+    part = part.to(model.device)       # a no-op on CPU and for a rollout the trainer already moved
     rows = shared_prompt_rows(part)
-    logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids,
-                   logits_to_keep=rows.logits_to_keep, use_cache=False).logits          # [u, L - P, V]
+    block_sparse = model.config._attn_implementation == "flex_attention"
+    logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask(block_sparse),
+                   position_ids=rows.position_ids, logits_to_keep=rows.logits_to_keep, use_cache=False).logits
+                                                                                      # [u, L - P, V]
     logprobs = torch.log_softmax(logits.float() / temperature, -1).flatten(0, 1)     # [u * (L - P), V]
     chosen = logprobs[rows.logits_index, part.completion_ids]                         # [n, C]
     if not with_entropy:
@@ -236,7 +239,7 @@ def reference_answerer(cfg: GRPOConfig, roles: Roles) -> Callable[[dict], dict]:
         with torch.no_grad():
             logprobs = micro_batched_logprobs(model, part, cfg.train.micro_batch_size, cfg.sampling.temperature)
         keep = [k for k, i in enumerate(mine) if i == me * per_rank + k]
-        return {"index": [mine[k] for k in keep], "ref_logprobs": logprobs[keep]}
+        return {"index": [mine[k] for k in keep], "ref_logprobs": logprobs[keep].cpu()}
     return answer
 
 
@@ -328,6 +331,7 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
     else:
         first = token_logprobs(policy, rollout.select(slice(0, micro)), cfg.sampling.temperature, with_entropy=True)
     collect_scores(rollout)
+    rollout = rollout.to(policy.device)      # a GPU trainer's: the rollout and its scores came on CPU
     sums = {"clipped": 0.0, "kl": 0.0, "entropy": 0.0, "tokens": 0.0, "grad_norm": 0.0, "gap": 0.0}
     for _ in range(cfg.loss.num_iterations):
         for m in range(cfg.train.mini_batches):

@@ -89,6 +89,13 @@ class Rollout:
         cut["seconds"] = dict(self.seconds)
         return Rollout(**cut)
 
+    def to(self, device: torch.device) -> "Rollout":
+        """The same rollout with its tensors on `device` (the trainer's GPU; it is gathered and sent on CPU)."""
+        moved = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()}
+        moved["reward_terms"] = {k: v.to(device) for k, v in self.reward_terms.items()}
+        moved["episode"] = {k: v.to(device) for k, v in self.episode.items()}
+        return Rollout(**moved)
+
 
 def pad_cat(values: list[Tensor], left: bool) -> Tensor:
     """Per-sequence tensors of several batches, one batch after the other: [n, width] ones padded with 0 to the
@@ -242,6 +249,17 @@ def pad_right(seqs: list[list], pad, dtype=torch.long) -> tuple[Tensor, Tensor]:
     return values, mask
 
 
+def _visible(owner: Tensor):
+    """The mask of a shared-prompt row as FlexAttention's `mask_mod`: query q may see key k at or before it that
+    is a prompt token or a token of its own completion; every token sees itself (so padding's softmax is
+    finite). `owner` [u, L]: -1 a prompt token, b a token of the group's completion b, -2 padding. Indexing
+    broadcasts, so the same function also builds the dense mask."""
+    def mask_mod(b, h, q, k):
+        key = owner[b, k]
+        return ((k <= q) & ((key == -1) | ((key == owner[b, q]) & (key >= 0)))) | (q == k)
+    return mask_mod
+
+
 @dataclass
 class SharedPromptRows:
     """A batch laid out so that each prompt is computed once for its whole group: row k holds prompt k, then its
@@ -250,17 +268,29 @@ class SharedPromptRows:
     L = P + the most completion tokens of one group."""
     input_ids: Tensor                   # [u, L]
     position_ids: Tensor                # [u, L] each completion continues its prompt's positions
-    attention_mask: Tensor              # [u, 1, L, L] bool, True = may attend
+    owner: Tensor                       # [u, L] -1 prompt token, b completion b of the group, -2 padding
     logits_to_keep: Tensor              # [L - P] positions P-1 .. L-2, all that predict a completion token
     logits_index: Tensor                # [n, C] where in the kept logits, flattened [u * (L - P)], the logits
                                         # predicting token t of sequence s are (0 for padding: any finite row)
+
+    def attention_mask(self, block_sparse: bool = False):
+        """[u, 1, L, L] bool (True = may attend) for SDPA, which computes every pair; `block_sparse`: the same
+        pairs as a FlexAttention BlockMask, whose kernel skips the blocks no query sees (GPU: a completion's
+        queries never visit its siblings' keys, and 128-token blocks replace L^2 booleans)."""
+        u, L = self.owner.shape
+        if block_sparse:
+            from torch.nn.attention.flex_attention import create_block_mask
+            return create_block_mask(_visible(self.owner), u, None, L, L, device=self.owner.device)
+        idx = torch.arange(L, device=self.owner.device)
+        rows = torch.arange(u, device=self.owner.device)[:, None, None]
+        return _visible(self.owner)(rows, None, idx[None, :, None], idx[None, None, :]).unsqueeze(1)
 
 
 def shared_prompt_rows(part: Rollout) -> SharedPromptRows:
     """GRPO repeats each prompt G times; computing it once per group, and each completion only up to its end,
     cuts the tokens of a forward and backward from n*(P+C) to u*P + the completion tokens (+ the padding of the
-    rows to the longest group). Attention pairs grow to u*L^2, cheap while completions are short. The mask is 4D
-    boolean, which the default `sdpa` attention takes as is (eager attention would add it to the scores)."""
+    rows to the longest group). Attention pairs grow to u*L^2 with SDPA's dense mask, cheap while completions are
+    short; FlexAttention's block mask visits only the blocks a completion sees (`SharedPromptRows.attention_mask`)."""
     n, P = part.prompt_ids.shape
     C, device = part.completion_ids.shape[1], part.prompt_ids.device
     # a group is one data row's consecutive samples: rows with the same prompt (a game's fixed first message) stay
@@ -279,18 +309,14 @@ def shared_prompt_rows(part: Rollout) -> SharedPromptRows:
     rows, cols = group[:, None].expand(n, C)[real], (P + offset[:, None] + steps)[real]
     prompt_mask = part.prompt_mask[first]
     ids, positions = part.prompt_ids.new_zeros(u, L), part.prompt_ids.new_zeros(u, L)
-    owner = torch.full((u, L), -2, device=device)                       # -1 prompt, b completion b, -2 padding
     ids[:, :P], ids[rows, cols] = part.prompt_ids[first], part.completion_ids[real]
     positions[:, :P] = (prompt_mask.cumsum(1) - 1).clamp(min=0)
     positions[rows, cols] = (prompt_mask.sum(1)[group][:, None] + steps)[real]
-    owner[:, :P] = -1
+    owner = torch.full((u, L), -2, device=device)
+    owner[:, :P] = torch.where(prompt_mask.bool(), -1, -2)
     owner[rows, cols] = (torch.arange(n, device=device) - first[group])[:, None].expand(n, C)[real]
-    key_real = torch.cat([prompt_mask.bool(), owner[:, P:] >= 0], 1)                       # [u, L]
-    visible = torch.ones(L, L, dtype=torch.bool, device=device).tril() & key_real[:, None, :] & \
-        ((owner[:, :, None] == owner[:, None, :]) | (owner[:, None, :] == -1))           # [u, L query, L key]
-    mask = visible | torch.eye(L, dtype=torch.bool, device=device)                     # pads see themselves
     column = torch.where(real & (steps > 0), offset[:, None] + steps, 0)  # of the kept logits; t=0: the prompt's end
-    return SharedPromptRows(ids, positions, mask.unsqueeze(1), torch.arange(P - 1, L - 1, device=device),
+    return SharedPromptRows(ids, positions, owner, torch.arange(P - 1, L - 1, device=device),
                             group[:, None] * width + column)
 
 

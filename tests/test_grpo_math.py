@@ -86,11 +86,17 @@ COMPLETIONS = [[11, 12, 13], [14], [15, 16, 17, 18, 19], [20, 21], [22, 23], [24
 GROUP_OF = [0, 0, 0, 1, 1, 1]
 
 
-def tiny_llama():
+def tiny_llama(hidden_size: int = 32):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=hidden_size, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=64))
+
+
+# The GPU when there is one (FlexAttention's GPU kernel takes heads of 16 or more: hidden_size=64), for every
+# FlexAttention test alike: one pytest process that ran it on the CPU and then on the GPU crashed (an H200)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def ragged_rollout() -> Rollout:
@@ -104,20 +110,35 @@ def ragged_rollout() -> Rollout:
                    torch.zeros(6, dtype=torch.bool), list(GROUP_OF))
 
 
-def test_token_logprobs_with_shared_prompts_equal_one_sequence_at_a_time():
+@pytest.mark.parametrize("attention", ["sdpa", "flex_attention"])
+def test_token_logprobs_with_shared_prompts_equal_one_sequence_at_a_time(attention):
     """The trainer computes each prompt once per group and packs the group's completions by their lengths; the
-    logprobs and entropies must be those of each sequence run alone (left-padded prompts, ragged completions)."""
-    model, part = tiny_llama(), ragged_rollout()
+    logprobs and entropies must be those of each sequence run alone (left-padded prompts, ragged completions),
+    with SDPA's dense mask (CPU) and FlexAttention's block mask (GPU; its forward runs on CPU too)."""
+    model, part = tiny_llama(hidden_size=64).to(DEVICE), ragged_rollout()
+    model.set_attn_implementation(attention)
     with torch.no_grad():
         logp, entropy = token_logprobs(model, part, temperature=0.7, with_entropy=True)
         for s, (g, c) in enumerate(zip(GROUP_OF, COMPLETIONS)):
-            alone = torch.log_softmax(model(torch.tensor([PROMPTS[g] + c])).logits[0].float() / 0.7, -1)
-            alone = alone[len(PROMPTS[g]) - 1:-1]                                   # [len(c), V]
-            want = alone.gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1)
+            alone = model(torch.tensor([PROMPTS[g] + c], device=DEVICE)).logits[0].float()
+            alone = torch.log_softmax(alone / 0.7, -1)[len(PROMPTS[g]) - 1:-1]     # [len(c), V]
+            want = alone.gather(-1, torch.tensor(c, device=DEVICE).unsqueeze(-1)).squeeze(-1)
             torch.testing.assert_close(logp[s, :len(c)], want, atol=1e-5, rtol=0)
             torch.testing.assert_close(entropy[s, :len(c)], -(alone.exp() * alone).sum(-1), atol=1e-5, rtol=0)
     assert torch.isfinite(logp).all() and torch.isfinite(entropy).all()
     assert shared_prompt_rows(part).input_ids.shape[0] == 2                # one row per group
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention has no CPU backward: GPU only")
+def test_block_mask_gradients_equal_the_dense_masks_on_gpu():
+    """What a GPU trainer's backward gets from the block mask: the dense mask's gradients."""
+    grads = {}
+    for attention in ("sdpa", "flex_attention"):
+        model = tiny_llama(hidden_size=64).cuda()
+        model.set_attn_implementation(attention)
+        token_logprobs(model, ragged_rollout(), temperature=1.0)[0].sum().backward()
+        grads[attention] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(grads["flex_attention"], grads["sdpa"], atol=1e-5, rtol=1e-4)
 
 
 def test_rows_with_the_same_prompt_are_not_packed_together():

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU path's checks on one CUDA GPU, for a machine with PyTorch but no vLLM (no GRPO job runs there):
+#   1. the GRPO trainer's math on the GPU: logprobs and gradients with FlexAttention's block mask = the dense mask's
+#   2. bench/bench_mask.py at the Qwen3-1.7B config's micro-batch (random weights of its shape)
+#   3. the tiny SFT job over CUDA + NCCL with SDPA and with FlexAttention, and a run stopped and resumed
+#      bash tools/gpu_check.sh [out_dir]      (needs the tiny job's files: python tools/build_tiny.py --out artifacts/tiny)
+set -uo pipefail
+out=${1:-${OUT:-runs/gpu_check}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+py=${PYTHON:-python3}
+tiny=(--model.path artifacts/tiny/init --data.path artifacts/tiny/data/train.jsonl
+      --data.eval_path artifacts/tiny/data/eval.jsonl --train.eval_every 30 --ckpt.save_every 30)
+
+nvidia-smi -L
+$py -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+
+echo "=== 1. the trainer's logprobs and gradients on the GPU"
+timeout 300 $py -m pytest -q -p no:cacheprovider tests/test_grpo_math.py 2>&1 | tail -4
+
+echo "=== 2. the attention mask at the Qwen3-1.7B micro-batch (1 prompt of 150 + 8 completions of 256-512 tokens)"
+timeout 300 $py bench/bench_mask.py --model qwen3-1.7b-random --prompts 1 --prompt-tokens 150 \
+    --completion-tokens 512 --repeats 3 2>&1 | grep -v "^Loading"
+
+echo "=== 3. tiny SFT on CUDA + NCCL: SDPA, FlexAttention, and SDPA stopped at step 30 and resumed"
+sft() { timeout 300 $py -m torch.distributed.run --standalone --nproc_per_node 1 train_sft.py \
+        --config configs/sft/tiny.yaml "${tiny[@]}" --train.steps 60 "$@" 2>&1 | grep -E "^(sft|step|exported)|rror"; }
+sft --model.attention sdpa --out_dir "$out/sft-sdpa"
+sft --model.attention flex_attention --out_dir "$out/sft-flex"
+sft --model.attention sdpa --out_dir "$out/sft-resumed" --train.stop_at_step 30
+sft --model.attention sdpa --out_dir "$out/sft-resumed"
+for run in sdpa flex resumed; do
+    echo "sft-$run step 60: $(tail -n 1 "$out/sft-$run/metrics.jsonl")"
+done
