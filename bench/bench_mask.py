@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from forge_core.rollout import Rollout, SharedPromptRows, _visible, shared_prompt_rows  # noqa: E402
+from forge_core.rollout import Rollout, shared_prompt_rows  # noqa: E402
 from train_grpo import token_logprobs  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -161,7 +161,7 @@ def attention_alone(G: int, P: int, C: int, heads: int, head_dim: int) -> None:
     """The attention kernels alone, forward + backward, on one shared-prompt row: SDPA with its dense mask,
     SDPA's fused causal path (all pairs before each token: a lower bound on the work), and on GPU FlexAttention
     with the block mask."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
     rows = shared_prompt_rows(fake_rollout(1000, 1, G, P, C))
     L = rows.input_ids.shape[1]
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
@@ -169,7 +169,7 @@ def attention_alone(G: int, P: int, C: int, heads: int, head_dim: int) -> None:
     kernels = {"dense mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=rows.attention_mask()),
                "causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
     if DEVICE.type == "cuda":
-        block_mask = create_block_mask(_visible(rows.owner), 1, None, L, L, device=DEVICE)
+        block_mask = rows.attention_mask(block_sparse=True)
         flex = torch.compile(flex_attention)
         kernels["block mask"] = lambda: flex(q, k, v, block_mask=block_mask)
         kernels["block mask, built each call"] = lambda: flex(q, k, v, block_mask=rows.attention_mask(True))
