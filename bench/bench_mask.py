@@ -47,7 +47,7 @@ def fake_rollout(vocab: int, prompts: int, G: int, P: int, C: int, seed: int = 0
     n = prompts * G
     part = Rollout(prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask, torch.zeros(n, C),
                    torch.zeros(n, dtype=torch.bool), [i // G for i in range(n)])
-    return part.to(DEVICE) if DEVICE.type == "cuda" else part
+    return part.to(DEVICE)
 
 
 def sync() -> None:
@@ -55,8 +55,9 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def seconds(fn, repeats: int) -> float:
-    fn()
+def seconds(fn, repeats: int, warmup: bool = True) -> float:
+    if warmup:
+        fn()
     sync()
     t0 = time.perf_counter()
     for _ in range(repeats):
@@ -94,33 +95,29 @@ def model_layouts(model_dir: str, prompts: int, G: int, P: int, C: int, repeats:
     part = fake_rollout(model.config.vocab_size, prompts, G, P, C)
     rows = shared_prompt_rows(part)
 
-    def packed(attention: str):
-        def run():
-            model.set_attn_implementation(attention)
-            logp, _ = token_logprobs(model, part, 1.0)
-            logp.sum().backward()
-        return run
+    def packed():
+        token_logprobs(model, part, 1.0)[0].sum().backward()
 
     def causal_only():              # same ids and positions, no mask: HF's SDPA runs is_causal
-        model.set_attn_implementation("sdpa")
         logits = model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=None,
                        logits_to_keep=rows.logits_to_keep, use_cache=False).logits
         torch.log_softmax(logits.float(), -1).flatten(0, 1)[rows.logits_index, part.completion_ids].sum().backward()
 
     def unpacked():
-        model.set_attn_implementation("sdpa")
         unpacked_logprobs(model, part).sum().backward()
 
     u, L = rows.input_ids.shape
-    layouts = [("packed, dense mask", packed("sdpa"), u * L)]
+    layouts = [("packed, dense mask", "sdpa", packed, u * L)]
     if DEVICE.type == "cuda":
-        layouts.append(("packed, block mask", packed("flex_attention"), u * L))
-    layouts += [("packed, causal only", causal_only, u * L), ("unpacked", unpacked, len(part) * (P + C))]
+        layouts.append(("packed, block mask", "flex_attention", packed, u * L))
+    layouts += [("packed, causal only", "sdpa", causal_only, u * L),
+                ("unpacked", "sdpa", unpacked, len(part) * (P + C))]
     print(f"{model_dir} on {DEVICE.type}: {prompts} prompts x G={G}, prompt {P}, completions {C // 2}-{C} tokens; "
           f"packed rows {u} x {L}")
     print("| layout | tokens | fwd+bwd s | vs packed, dense mask | peak GiB |\n|---|---:|---:|---:|---:|")
     base = None
-    for name, fn, tokens in layouts:
+    for name, attention, fn, tokens in layouts:
+        model.set_attn_implementation(attention)
         if DEVICE.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         s = seconds(fn, repeats)
@@ -144,17 +141,9 @@ def block_mask_checks(model, prompts: int, G: int, P: int, C: int) -> None:
     times = []
     for seed in (2, 3, 4):
         part = fake_rollout(model.config.vocab_size, prompts, G, P, C, seed=seed)
-        times.append(_once(lambda: token_logprobs(model, part, 1.0)[0].sum().backward()))
+        times.append(seconds(lambda: token_logprobs(model, part, 1.0)[0].sum().backward(), 1, warmup=False))
     print(f"block mask vs dense mask: logprobs differ by at most {gap:.2e} ({model.dtype}); fwd+bwd on 3 batches of "
           f"new widths: {', '.join(f'{t:.3f}' for t in times)} s")
-
-
-def _once(fn) -> float:
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t0
 
 
 def attention_alone(G: int, P: int, C: int, heads: int, head_dim: int) -> None:
