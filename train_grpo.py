@@ -28,6 +28,7 @@ from forge_core.data import chat_prompt_ids, read_rows, require_fields, sample_i
 from forge_core.env import EnvConfig, load_env, run_episodes
 from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, init_roles, release, role_ranks,
                               run_main, set_phase, wait_idle)
+from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (BadSteps, FSDPConfig, ModelConfig, OptimConfig, bf16_chosen, build_optimizer, export_hf,
                               linear_kernel, load_model, load_tokenizer, optimizer_step, set_gradient_sync, shard)
@@ -175,19 +176,16 @@ def grpo_loss(logp: Tensor, mb: Rollout, cfg: LossConfig, max_tokens: int, num_m
 def token_logprobs(model, part: Rollout, temperature: float, with_entropy: bool = False):
     """Log-probabilities [n, C] of the completion tokens under `model` (and the entropy of each step). Each
     prompt is computed once for its group (`shared_prompt_rows`), logits only where completions are read, and
-    the softmax over the vocabulary once per position before the tokens' values are picked out."""
+    the softmax over the vocabulary a few positions at a time (`chosen_logprobs`: no float32 copies of them all)."""
     part = part.to(model.device)       # a no-op on CPU and for a rollout the trainer already moved
     rows = shared_prompt_rows(part)
     block_sparse = model.config._attn_implementation == "flex_attention"
     logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask(block_sparse),
                    position_ids=rows.position_ids, logits_to_keep=rows.logits_to_keep, use_cache=False).logits
                                                                                       # [u, L - P, V]
-    logprobs = torch.log_softmax(logits.float() / temperature, -1).flatten(0, 1)     # [u * (L - P), V]
-    chosen = logprobs[rows.logits_index, part.completion_ids]                         # [n, C]
-    if not with_entropy:
-        return chosen, None
-    with torch.no_grad():
-        return chosen, -(logprobs.exp() * logprobs).sum(-1)[rows.logits_index]
+    chosen, entropy = chosen_logprobs(logits.flatten(0, 1), rows.logits_index, part.completion_ids, temperature,
+                                      with_entropy)                                   # [n, C], [u * (L - P)]
+    return chosen, entropy[rows.logits_index] if with_entropy else None
 
 
 # ---- roles: the reward and reference ranks answer the policy ranks ----

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from pydantic import NonNegativeInt, PositiveInt
 
 from forge_core.ckpt import CheckpointConfig, Checkpointer
@@ -20,6 +19,7 @@ from forge_core.config import ForgeError, config_to_dict, load_config
 from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, encode_sft, read_rows,
                              require_fields, sample_indices)
 from forge_core.dist import Dist, DistConfig, close_dist, init_dist, run_main, set_phase
+from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (BadSteps, FSDPConfig, ModelConfig, OptimConfig, bf16_chosen, build_optimizer, export_hf,
                               linear_kernel, load_model, load_tokenizer, optimizer_step, set_gradient_sync, shard)
@@ -88,8 +88,10 @@ def token_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     the columns where some row has a label (HF's `logits_to_keep`): prompt positions need no logits."""
     targets = batch.pop("labels")[:, 1:]                                  # [N, S-1] next-token labels
     columns = (targets != IGNORE).any(0).nonzero().flatten()             # [K] positions that are trained on
-    logits = model(**batch, use_cache=False, logits_to_keep=columns).logits.float()   # [N, K, V]
-    return F.cross_entropy(logits.flatten(0, 1), targets[:, columns].flatten(), ignore_index=IGNORE, reduction="sum")
+    logits = model(**batch, use_cache=False, logits_to_keep=columns).logits            # [N, K, V]
+    kept = targets[:, columns].flatten()
+    labelled = (kept != IGNORE).nonzero().flatten()
+    return -chosen_logprobs(logits.flatten(0, 1), labelled, kept[labelled])[0].sum()
 
 
 def train_step(model, examples: list[Example], cfg: SFTConfig, d: Dist, pad_id: int) -> dict[str, float]:

@@ -295,7 +295,7 @@ def _tune_cpu_process() -> None:
     except OSError:                 # not glibc (macOS, musl): nothing to tune
         return
     m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 32 * 2**20)      # glibc's maximum; larger blocks are still mapped
+    libc.mallopt(m_mmap_threshold, 2**30)       # up to 1 GB from the heap: a step's logits and gradients too
     libc.mallopt(m_trim_threshold, 2**30)
 
 

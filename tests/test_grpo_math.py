@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import Tensor
 
+import forge_core.logprobs
 from forge_core.rollout import Rollout, balanced_share, pad_left, pad_right, shared_prompt_rows
 from train_grpo import LossConfig, group_advantages, grpo_loss, kl_penalty, token_logprobs, zero_variance_groups
 
@@ -127,6 +128,25 @@ def test_token_logprobs_with_shared_prompts_equal_one_sequence_at_a_time(attenti
             torch.testing.assert_close(entropy[s, :len(c)], -(alone.exp() * alone).sum(-1), atol=1e-5, rtol=0)
     assert torch.isfinite(logp).all() and torch.isfinite(entropy).all()
     assert shared_prompt_rows(part).input_ids.shape[0] == 2                # one row per group
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chosen_logprobs_equal_log_softmax_in_value_entropy_and_gradient(dtype, monkeypatch):
+    """The chunked softmax (`forge_core.logprobs`) against the plain one: rows read several times (a group's
+    first tokens all follow its prompt's last position), a temperature, chunks that split the rows unevenly."""
+    monkeypatch.setattr(forge_core.logprobs, "_CHUNK_BYTES", 7 * 4 * 300)    # 7 rows of 300 per chunk
+    torch.manual_seed(0)
+    logits = (torch.randn(40, 300) * 4).to(dtype).requires_grad_()
+    rows, ids = torch.randint(0, 40, (6, 9)), torch.randint(0, 300, (6, 9))
+    rows[:, 0] = 3
+    weights = torch.randn(6, 9)
+    plain = torch.log_softmax(logits.float() / 0.7, -1)
+    picked, entropy = forge_core.logprobs.chosen_logprobs(logits, rows, ids, 0.7, with_entropy=True)
+    torch.testing.assert_close(picked, plain[rows, ids], atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, -(plain.exp() * plain).sum(-1).detach(), atol=1e-4, rtol=0)
+    want, = torch.autograd.grad((plain[rows, ids] * weights).sum(), logits)
+    got, = torch.autograd.grad((picked * weights).sum(), logits)
+    torch.testing.assert_close(got, want, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention has no CPU backward: GPU only")
