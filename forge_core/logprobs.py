@@ -8,7 +8,9 @@ from torch import Tensor
 
 __all__ = ["chosen_logprobs"]
 
-_CHUNK_BYTES = 4 * 2**20          # float32 rows per chunk: a few MB, reused from the heap, not mapped anew
+# float32 rows per chunk. CPU: a few MB, reused from the heap, not mapped anew; GPU: few kernel launches (a 152k
+# vocabulary is 0.6 MB a row), a bounded share of the memory
+_CHUNK_BYTES = {"cpu": 4 * 2**20, "cuda": 256 * 2**20}
 
 
 def chosen_logprobs(logits: Tensor, rows: Tensor, ids: Tensor, temperature: float = 1.0,
@@ -20,7 +22,7 @@ def chosen_logprobs(logits: Tensor, rows: Tensor, ids: Tensor, temperature: floa
 
 
 def _chunks(logits: Tensor):
-    step = max(1, _CHUNK_BYTES // (4 * logits.shape[1]))
+    step = max(1, _CHUNK_BYTES.get(logits.device.type, _CHUNK_BYTES["cuda"]) // (4 * logits.shape[1]))
     for start in range(0, logits.shape[0], step):
         yield start, min(start + step, logits.shape[0])
 

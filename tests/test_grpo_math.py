@@ -134,7 +134,7 @@ def test_token_logprobs_with_shared_prompts_equal_one_sequence_at_a_time(attenti
 def test_chosen_logprobs_equal_log_softmax_in_value_entropy_and_gradient(dtype, monkeypatch):
     """The chunked softmax (`forge_core.logprobs`) against the plain one: rows read several times (a group's
     first tokens all follow its prompt's last position), a temperature, chunks that split the rows unevenly."""
-    monkeypatch.setattr(forge_core.logprobs, "_CHUNK_BYTES", 7 * 4 * 300)    # 7 rows of 300 per chunk
+    monkeypatch.setitem(forge_core.logprobs._CHUNK_BYTES, "cpu", 7 * 4 * 300)    # 7 rows of 300 per chunk
     torch.manual_seed(0)
     logits = (torch.randn(40, 300) * 4).to(dtype).requires_grad_()
     rows, ids = torch.randint(0, 40, (6, 9)), torch.randint(0, 300, (6, 9))
