@@ -46,7 +46,7 @@ class FSDPConfig:
     # (cpu_has_bf16: the SmolLM2 GRPO step 1.8x faster on an AMX Xeon), fp32 on the others (AVX2: no bf16 arithmetic)
     mixed_precision: Literal["auto", "fp32", "bf16", "bf16_if_native"] = "auto"
     activation_checkpointing: bool = False
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = True     # sharded ranks only: replicated ones (shard: false) keep their weights
     # false: every rank keeps the whole model, its gradients and Adam's state (DDP), and the gradients are
     # all-reduced once per optimizer step, instead of FSDP's all-gathers per layer and micro-batch and its
     # reduce-scatter: faster on CPU for a model whose training state fits each rank (the SmolLM2 GRPO train
