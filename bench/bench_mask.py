@@ -129,21 +129,30 @@ def model_layouts(model_dir: str, prompts: int, G: int, P: int, C: int, repeats:
 
 
 def block_mask_checks(model, prompts: int, G: int, P: int, C: int) -> None:
-    """The block mask's logprobs against the dense mask's, and its time on batches of new lengths (FlexAttention
-    is compiled: a recompilation per batch width would show here)."""
-    part = fake_rollout(model.config.vocab_size, prompts, G, P, C, seed=1)
-    with torch.no_grad():
-        out = {}
-        for attention in ("sdpa", "flex_attention"):
-            model.set_attn_implementation(attention)
-            out[attention] = token_logprobs(model, part, 1.0)[0]
-    gap = ((out["sdpa"] - out["flex_attention"]).abs() * part.completion_mask).max().item()
+    """The block mask's logprobs against the dense mask's, in the trainer's bf16 and in fp32 (beside the dense
+    mask's own bf16-vs-fp32 gap, the scale of bf16's rounding), and its time on batches of new lengths
+    (FlexAttention is compiled: a recompilation per batch width would show here)."""
     times = []
     for seed in (2, 3, 4):
         part = fake_rollout(model.config.vocab_size, prompts, G, P, C, seed=seed)
         times.append(seconds(lambda: token_logprobs(model, part, 1.0)[0].sum().backward(), 1, warmup=False))
-    print(f"block mask vs dense mask: logprobs differ by at most {gap:.2e} ({model.dtype}); fwd+bwd on 3 batches of "
-          f"new widths: {', '.join(f'{t:.3f}' for t in times)} s")
+    model.zero_grad(set_to_none=True)
+    part = fake_rollout(model.config.vocab_size, prompts, G, P, C, seed=1)
+    logprobs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        model.to(dtype)
+        for attention in ("sdpa", "flex_attention"):
+            model.set_attn_implementation(attention)
+            with torch.no_grad():
+                logprobs[dtype, attention] = token_logprobs(model, part, 1.0)[0]
+
+    def gap(a, b) -> str:
+        return f"{((logprobs[a] - logprobs[b]).abs() * part.completion_mask).max().item():.1e}"
+    bf16, fp32 = torch.bfloat16, torch.float32
+    print(f"logprobs, largest gap: block vs dense mask {gap((bf16, 'sdpa'), (bf16, 'flex_attention'))} in bf16, "
+          f"{gap((fp32, 'sdpa'), (fp32, 'flex_attention'))} in fp32; dense mask bf16 vs fp32 "
+          f"{gap((bf16, 'sdpa'), (fp32, 'sdpa'))}")
+    print(f"block mask fwd+bwd on 3 batches of new widths: {', '.join(f'{t:.3f}' for t in times)} s")
 
 
 def attention_alone(G: int, P: int, C: int, heads: int, head_dim: int) -> None:

@@ -134,12 +134,12 @@ def test_token_logprobs_with_shared_prompts_equal_one_sequence_at_a_time(attenti
 def test_chosen_logprobs_equal_log_softmax_in_value_entropy_and_gradient(dtype, monkeypatch):
     """The chunked softmax (`forge_core.logprobs`) against the plain one: rows read several times (a group's
     first tokens all follow its prompt's last position), a temperature, chunks that split the rows unevenly."""
-    monkeypatch.setitem(forge_core.logprobs._CHUNK_BYTES, "cpu", 7 * 4 * 300)    # 7 rows of 300 per chunk
+    monkeypatch.setitem(forge_core.logprobs._CHUNK_BYTES, DEVICE.type, 7 * 4 * 300)    # 7 rows of 300 per chunk
     torch.manual_seed(0)
-    logits = (torch.randn(40, 300) * 4).to(dtype).requires_grad_()
-    rows, ids = torch.randint(0, 40, (6, 9)), torch.randint(0, 300, (6, 9))
+    logits = (torch.randn(40, 300) * 4).to(DEVICE, dtype).requires_grad_()
+    rows, ids = torch.randint(0, 40, (6, 9), device=DEVICE), torch.randint(0, 300, (6, 9), device=DEVICE)
     rows[:, 0] = 3
-    weights = torch.randn(6, 9)
+    weights = torch.randn(6, 9, device=DEVICE)
     plain = torch.log_softmax(logits.float() / 0.7, -1)
     picked, entropy = forge_core.logprobs.chosen_logprobs(logits, rows, ids, 0.7, with_entropy=True)
     torch.testing.assert_close(picked, plain[rows, ids], atol=1e-5, rtol=0)
