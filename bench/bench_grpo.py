@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="TRL's generation: HF generate, a vLLM engine colocated in each process")
     p.add_argument("--step_target", type=float, default=1 / 3, help="target: our step / TRL's best mode's")
     p.add_argument("--eval_rows", type=int, default=None, help="held-out rows (default: the config's; 0: none)")
+    p.add_argument("--repeats", type=int, default=30, help="timed repeats of the flat broadcast and the memcpy "
+                   "(the first 5 not counted)")
     p.add_argument("--trl_venv", default=str(REPO / ".trl-venv"), help="created once (git-ignored)")
     p.add_argument("--worker", choices=["vllm", "trl", "broadcast"], help="internal: run one peer, print JSON")
     p.add_argument("--spec", default=None, help="internal: the worker's JSON input file")
@@ -272,20 +274,21 @@ def broadcast_worker(spec: dict) -> dict | None:
     def as_in_a_step(sent: torch.Tensor):
         return lambda: (other_data.max(), sent.add_(0))
 
-    result = {"seconds": slowest_median(lambda: dist.broadcast(full, src=0, group=group), group,
+    repeats = spec["repeats"]
+    result = {"seconds": slowest_median(lambda: dist.broadcast(full, src=0, group=group), group, repeats,
                                         as_in_a_step(full if sender else full[:0])),
               "all_gather_seconds": slowest_median(lambda: dist.all_gather_single(full, half, group=group), group,
-                                                   as_in_a_step(half)),
-              "hot_seconds": slowest_median(lambda: dist.broadcast(full, src=0, group=group), group)}
+                                                   repeats, as_in_a_step(half)),
+              "hot_seconds": slowest_median(lambda: dist.broadcast(full, src=0, group=group), group, repeats)}
     dist.destroy_process_group()
     return result if sender else None
 
 
-def slowest_median(collective, group, before=lambda: None) -> float:
+def slowest_median(collective, group, repeats: int, before=lambda: None) -> float:
     import torch
     import torch.distributed as dist
     seconds = []
-    for _ in range(30):
+    for _ in range(repeats):
         before()
         dist.barrier(group)
         t0 = time.perf_counter()
@@ -296,12 +299,12 @@ def slowest_median(collective, group, before=lambda: None) -> float:
     return statistics.median(slowest.tolist())
 
 
-def memcpy_seconds(nbytes: int) -> float:
+def memcpy_seconds(nbytes: int, repeats: int) -> float:
     import torch
     torch.set_num_threads(1)
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     seconds = []
-    for _ in range(30):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         dst.copy_(src)
         seconds.append(time.perf_counter() - t0)
@@ -508,6 +511,8 @@ def main() -> None:
         return
     if args.warmup_steps >= min(args.steps, args.sync_steps):
         sys.exit("bench error: --warmup_steps leaves no timed steps")
+    if args.repeats <= 5:
+        sys.exit("bench error: --repeats must be over 5 (the first 5 are not timed)")
     sys.path.insert(0, str(REPO))
     import torch
     from forge_core.config import load_config
@@ -583,8 +588,8 @@ def main() -> None:
             r["ours_2policy"] = medians(rows2, args.warmup_steps)
         print("flat broadcast; memcpy ...", flush=True)
         nbytes = int(r["ours_2policy"]["sync/gigabytes"] * 1e9)
-        r["broadcast"] = worker("broadcast", {"nbytes": nbytes}, launcher=torchrun(2))
-        r["memcpy_s"] = memcpy_seconds(nbytes)
+        r["broadcast"] = worker("broadcast", {"nbytes": nbytes, "repeats": args.repeats}, launcher=torchrun(2))
+        r["memcpy_s"] = memcpy_seconds(nbytes, args.repeats)
     print("\n" + report(r, args))
     print("\nraw numbers: " + json.dumps(r, default=str))
     print("\nproduced by: " + " ".join(["python bench/bench_grpo.py", *sys.argv[1:]]))

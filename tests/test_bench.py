@@ -14,7 +14,8 @@ def test_grpo_bench_prints_its_tables(tiny, tmp_path):
                        "eval_rows": 64}
     (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(config))
     proc = run_script("bench/bench_grpo.py", ["--config", str(tmp_path / "grpo.yaml"), "--model", str(tiny / "init"),
-                                              "--no_trl", "--steps", "4", "--warmup_steps", "1", "--sync_steps", "4"])
+                                              "--no_trl", "--steps", "4", "--warmup_steps", "1", "--sync_steps", "4",
+                                              "--repeats", "8"])
     for row in ("| time/step (wall clock) |", "| generation |", "| weight sync, 2 policy ranks",
                 "| held-out sampled (T=1, G per prompt) accuracy after 4 steps"):
         assert row in proc.stdout, row

@@ -185,7 +185,8 @@ def test_grpo_bench_runs_the_smollm2_workload(smollm2, problems, tmp_path):
     config["sampling"] |= {"num_generations": 4, "max_tokens": 16}
     (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(config))
     proc = run_script("bench/bench_grpo.py", ["--config", str(tmp_path / "grpo.yaml"), "--model", str(smollm2),
-                                              "--no_trl", "--steps", "3", "--warmup_steps", "1", "--eval_rows", "0"],
+                                              "--no_trl", "--steps", "3", "--warmup_steps", "1", "--eval_rows", "0",
+                                              "--repeats", "8"],
                       timeout=900)
     for row in ("| step time against the machine's limit |", "| train |", "| weight sync, 2 policy ranks"):
         assert row in proc.stdout, row
