@@ -173,10 +173,11 @@ def vllm_worker(spec: dict) -> dict:
     and (spec's `sampled`) of G samples per prompt at T=1."""
     import torch
     from vllm import LLM, SamplingParams
-    correct_fn = reward_function(spec["accuracy_fn"])
+    correct_fn = reward_function(spec["accuracy_fn"])       # puts the repo on the path
+    from forge_core.rollout import norm_kernels
     llm = LLM(model=spec["model"], tokenizer=spec["tokenizer"], dtype=spec["dtype"], enforce_eager=True,
               kv_cache_memory_bytes=spec["kv_cache_bytes"], seed=0, block_size=spec["block_size"],
-              max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"])
+              max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"], **norm_kernels())
     rates = []
     sample = SamplingParams(n=spec["G"], max_tokens=spec["max_tokens"], temperature=1.0, logprobs=0, detokenize=False)
     shares = spec["cores"]

