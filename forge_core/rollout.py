@@ -211,12 +211,11 @@ def norm_kernels() -> dict:
         return {}
     from vllm import _custom_ops, ir  # noqa: F401  (_custom_ops loads the CPU kernels)
 
-    def takes(x: Tensor, *tensors_and_weight) -> bool:
-        *others, weight = tensors_and_weight
+    def takes(weight: Tensor | None, x: Tensor, *others: Tensor) -> bool:
         return weight is not None and weight.dtype == x.dtype and all(t.is_contiguous() for t in (x, *others))
 
     @ir.ops.rms_norm.register_impl("forge_cpu", supports_args=lambda x, weight, epsilon, variance_size=None:
-                                   variance_size is None and takes(x, weight))
+                                   variance_size is None and takes(weight, x))
     def rms_norm(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None) -> Tensor:
         out = torch.empty_like(x)
         torch.ops._C.rms_norm(out, x, weight, epsilon)
@@ -224,7 +223,7 @@ def norm_kernels() -> dict:
 
     @ir.ops.fused_add_rms_norm.register_impl(
         "forge_cpu", inplace=True, supports_args=lambda x, x_residual, weight, epsilon, variance_size=None:
-        variance_size is None and takes(x, x_residual, weight))
+        variance_size is None and takes(weight, x, x_residual))
     def fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
                            variance_size: int | None = None) -> tuple[Tensor, Tensor]:
         torch.ops._C.fused_add_rms_norm(x, x_residual, weight, epsilon)
