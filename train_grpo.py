@@ -25,16 +25,16 @@ from torch import Tensor
 from forge_core.ckpt import CheckpointConfig, Checkpointer
 from forge_core.config import ForgeError, config_to_dict, load_config
 from forge_core.data import chat_prompt_ids, read_rows, require_fields, sample_indices
-from forge_core.env import EnvConfig, load_env, run_episodes
 from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, init_roles, release, role_ranks,
                               run_main, set_phase, wait_idle)
+from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check_kv_cache, close_engines, engine_dtype,
+                               generate, join_engine_groups)
+from forge_core.env import EnvConfig, load_env, run_episodes
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (BadSteps, FSDPConfig, ModelConfig, OptimConfig, bf16_chosen, build_optimizer, export_hf,
                               linear_kernel, load_model, load_tokenizer, optimizer_step, set_gradient_sync, shard)
-from forge_core.rollout import (EngineConfig, Rollout, SamplingConfig, build_engine, check_kv_cache, close_engines,
-                                balanced_share, engine_dtype, generate, join_engine_groups, pad_cat,
-                                shared_prompt_rows)
+from forge_core.rollout import Rollout, balanced_share, pad_cat, shared_prompt_rows
 from forge_core.scoring import accuracy_scorer, function_names, load_reward_functions, reward_pool, score
 from forge_core.sync import WeightSync
 

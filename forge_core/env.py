@@ -38,7 +38,8 @@ import torch
 
 from .config import ForgeError, import_symbol
 from .data import chat_prompt_ids
-from .rollout import Rollout, SamplingConfig, pad_left, pad_right, sampled_logprobs, sampling_params
+from .engine import SamplingConfig, sampled_logprobs, sampling_params
+from .rollout import Rollout, pad_left, pad_right
 
 __all__ = ["EnvConfig", "END_REASONS", "load_env", "run_episodes"]
 

