@@ -19,8 +19,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")    # the chat and the print
 from forge_core.config import ForgeError, load_config
 from forge_core.data import chat_prompt_ids, read_rows, require_fields
 from forge_core.dist import close_dist, exchange, init_dist, run_main
-from forge_core.model import ModelConfig, load_tokenizer
 from forge_core.engine import EngineConfig, SamplingConfig, build_engine, close_engines
+from forge_core.model import ModelConfig, load_tokenizer
 
 
 @dataclass

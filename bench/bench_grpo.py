@@ -173,8 +173,9 @@ def vllm_worker(spec: dict) -> dict:
     and (spec's `sampled`) of G samples per prompt at T=1."""
     import torch
     from vllm import LLM, SamplingParams
-    correct_fn = reward_function(spec["accuracy_fn"])       # puts the repo on the path
+    sys.path.insert(0, str(REPO))
     from forge_core.engine import norm_kernels
+    correct_fn = reward_function(spec["accuracy_fn"])
     llm = LLM(model=spec["model"], tokenizer=spec["tokenizer"], dtype=spec["dtype"], enforce_eager=True,
               kv_cache_memory_bytes=spec["kv_cache_bytes"], seed=0, block_size=spec["block_size"],
               max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"], **norm_kernels())
@@ -518,8 +519,8 @@ def main() -> None:
     import torch
     from forge_core.config import load_config
     from forge_core.data import chat_prompt_ids, read_rows, sample_indices
-    from forge_core.model import ModelConfig, bf16_chosen, load_tokenizer
     from forge_core.engine import engine_dtype
+    from forge_core.model import ModelConfig, bf16_chosen, load_tokenizer
     from forge_core.scoring import function_names
     from train_grpo import GRPOConfig
 

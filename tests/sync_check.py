@@ -19,9 +19,9 @@ import torch
 
 from forge_core.data import chat_prompt_ids
 from forge_core.dist import Layout, close_dist, init_roles
+from forge_core.engine import EngineConfig, SamplingConfig, build_engine, generate
 from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, load_model, load_tokenizer,
                               optimizer_step, shard)
-from forge_core.engine import EngineConfig, SamplingConfig, build_engine, generate
 from forge_core.sync import WeightSync, engine_state_dict
 from train_grpo import token_logprobs
 
