@@ -473,8 +473,8 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
     weight_sync = WeightSync(policy, engine, cfg.engine.tensor_parallel_size)   # engine = trainer's weights
     on_gpu = roles.dist.device.type == "cuda"
     kernels = "" if on_gpu else f", CPU GEMMs {linear_kernel(cfg.fsdp)}"
-    log.print(f"grpo: trainer {'bf16' if bf16_chosen(cfg.fsdp.mixed_precision, on_gpu) else 'fp32'}, attention "
-              f"{policy.config._attn_implementation}, engine {engine_dtype(cfg.engine.dtype, on_gpu)}{kernels}")
+    log.print(f"grpo: trainer {'bf16' if bf16_chosen(cfg.fsdp.mixed_precision, on_gpu) else 'fp32'}, engine "
+              f"{engine_dtype(cfg.engine.dtype, on_gpu)}{kernels}")
 
     # The held-out accuracy function is user code too: it runs in workers of this rank's pool
     pool = reward_pool(cfg.rewards) if not (roles.reward_ranks and env_class) else None

@@ -24,8 +24,9 @@ from .ckpt import publish_dir
 from .config import ForgeError
 
 __all__ = ["ModelConfig", "FSDPConfig", "OptimConfig", "load_model", "load_tokenizer", "shard", "linear_kernel",
-           "cpu_has_bf16", "bf16_chosen", "use_onednn_linears", "onednn_linear", "use_fp32_attention",
-           "set_gradient_sync", "build_optimizer", "optimizer_step", "BadSteps", "export_hf", "full_state_dict"]
+           "cpu_has_bf16", "bf16_chosen",
+           "use_onednn_linears", "onednn_linear", "set_gradient_sync", "build_optimizer", "optimizer_step", "BadSteps",
+           "export_hf", "full_state_dict"]
 
 
 @dataclass
@@ -117,8 +118,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def shard(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Module:
-    """oneDNN linears on CPU (optional), a bf16 model's attention in fp32 on CPU, activation checkpointing
-    (optional), then fully_shard each decoder layer and the root. With `cfg.shard` false each rank keeps the whole model: it is "sharded" over a mesh of
+    """oneDNN linears on CPU (optional), activation checkpointing (optional), then fully_shard each decoder
+    layer and the root. With `cfg.shard` false each rank keeps the whole model: it is "sharded" over a mesh of
     this rank alone (FSDP's bf16 casting, no collectives) and `optimizer_step` all-reduces the gradients over
     `mesh`'s ranks, its `replica_group`."""
     if not cfg.shard and mesh.size() > 1:
@@ -130,8 +131,6 @@ def shard(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Module:
     if mesh.device_type == "cpu" and linear_kernel(cfg) == "onednn":
         use_onednn_linears(model)
     bf16 = bf16_chosen(cfg.mixed_precision, mesh.device_type == "cuda")
-    if bf16 and mesh.device_type == "cpu" and model.config._attn_implementation == "sdpa":
-        use_fp32_attention(model)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     layers = decoder_layers(model)
@@ -223,26 +222,6 @@ def use_onednn_linears(model: nn.Module) -> None:
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = _OneDNNLinear
-
-
-def _sdpa_in_fp32(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention on fp32 copies of a bf16 model's queries, keys and values. On CPU torch's
-    flash-attention backward under GRPO's shared-prompt masks takes about twice as long in bf16 as in fp32 (SmolLM2,
-    a micro-batch of 2 rows of 534 tokens, Xeon with AMX: attention 2.26 -> 1.29 s, forward + backward 8.15 ->
-    7.38 s); SFT's packed rows take as long either way."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
-    return out.to(query.dtype), weights
-
-
-def use_fp32_attention(model: nn.Module) -> None:
-    """A bf16 model's SDPA attention computed in fp32, through transformers' attention interface (SDPA's own masks)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    AttentionInterface.register("sdpa_fp32", _sdpa_in_fp32)
-    AttentionMaskInterface.register("sdpa_fp32", sdpa_mask)
-    model.set_attn_implementation("sdpa_fp32")
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

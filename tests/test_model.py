@@ -1,5 +1,4 @@
-"""What makes CPU training fast, checked without a process group: oneDNN linears, fp32 attention in a bf16 model,
-no page faults per step."""
+"""What makes CPU training fast, checked without a process group: oneDNN linears, no page faults per step."""
 
 import copy
 import subprocess
@@ -11,7 +10,7 @@ from torch.profiler import profile
 from transformers import AutoModelForCausalLM
 
 from conftest import REPO, script_env
-from forge_core.model import use_fp32_attention, use_onednn_linears
+from forge_core.model import use_onednn_linears
 
 
 def test_onednn_linears_compute_what_torch_computes(tiny):
@@ -33,35 +32,6 @@ def test_onednn_linears_compute_what_torch_computes(tiny):
     assert losses[0] == pytest.approx(losses[1], abs=1e-5)
     for (name, p), q in zip(reference.named_parameters(), fast.parameters()):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
-
-
-def test_a_bf16_models_attention_runs_in_fp32_under_its_masks(tiny, monkeypatch):
-    """What `shard` gives a bf16 model on CPU (torch's bf16 flash-attention backward is slow there): SDPA sees fp32
-    queries, keys and values, the padding mask still applies, the logits are the fp32 model's within bf16's
-    rounding, and the gradients reach the bf16 weights."""
-    model = AutoModelForCausalLM.from_pretrained(tiny / "init", dtype=torch.bfloat16)
-    reference = copy.deepcopy(model).float()                 # the same bf16-rounded weights, computed in fp32
-    use_fp32_attention(model)
-    ids = torch.randint(3, model.config.vocab_size, (2, 12))
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0                                          # a left-padded row
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    sdpa, query_dtypes = torch.nn.functional.scaled_dot_product_attention, []
-
-    def recording_sdpa(query, *args, **kwargs):
-        query_dtypes.append(query.dtype)
-        return sdpa(query, *args, **kwargs)
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-    monkeypatch.undo()
-    assert set(query_dtypes) == {torch.float32} and len(query_dtypes) == model.config.num_hidden_layers
-    assert logits.dtype == torch.bfloat16
-    expected = reference(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-    unmasked = reference(input_ids=ids, position_ids=positions).logits
-    real = mask.bool()
-    assert (logits.float() - expected)[real].abs().max() < 0.05 < (unmasked - expected)[real].abs().max()  # 0.006, 0.87
-    logits.float().logsumexp(-1).sum().backward()
-    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
 
 
 def test_cpu_process_keeps_freed_memory_and_flushes_denormals(tiny):

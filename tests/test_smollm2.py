@@ -170,8 +170,7 @@ def test_sft_then_grpo_configs_raise_the_reward_on_smollm2(smollm2, one_step_pro
     assert after > before + 0.25, (before, after, training_rewards)      # 0.16 -> 0.72 and 0.19 -> 0.75 measured
     assert all(grpo[step]["reward/errors"] == 0 for step in grpo) and "eval/accuracy_sampled" not in grpo[6]
     from forge_core.model import cpu_has_bf16      # the config's precision, bf16_if_native, decided by this CPU
-    assert ("grpo: trainer bf16, attention sdpa_fp32, engine bfloat16" if cpu_has_bf16()
-            else "grpo: trainer fp32, attention sdpa, engine float32") \
+    assert ("grpo: trainer bf16, engine bfloat16" if cpu_has_bf16() else "grpo: trainer fp32, engine float32") \
         in proc.stdout
 
 
