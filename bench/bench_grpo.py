@@ -53,9 +53,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "VLLM_ENAB
 CACHE_BYTES = 32 * 2**20     # this machine's last-level cache (2-core AMD EPYC VM): the broadcast peer evicts 4x it
 PHASE_NOTES = {"time/score": " (the policy's exchanges; the reward ranks score during its first forward)"}
 STEP_PHASES = ("time/generate", "time/score", "time/train", "time/sync")
-PHASES = ("time/generate", "time/score", "time/train", "time/sync", "time/step", "perf/generate_tokens_per_s",
-          "perf/train_tokens_per_s", "sync/seconds", "sync/gather_seconds", "sync/gigabytes", "mem/peak_gb_rank0",
-          "completion/length")
+UNTIMED_REPEATS = 5           # a collective's or a copy's first repeats warm caches and buffers
+PHASES = (*STEP_PHASES, "time/step", "perf/generate_tokens_per_s", "perf/train_tokens_per_s", "sync/seconds",
+          "sync/gather_seconds", "sync/gigabytes", "mem/peak_gb_rank0", "completion/length")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,8 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="TRL's generation: HF generate, a vLLM engine colocated in each process")
     p.add_argument("--step_target", type=float, default=1 / 3, help="target: our step / TRL's best mode's")
     p.add_argument("--eval_rows", type=int, default=None, help="held-out rows (default: the config's; 0: none)")
-    p.add_argument("--repeats", type=int, default=30, help="timed repeats of the flat broadcast and the memcpy "
-                   "(the first 5 not counted)")
+    p.add_argument("--repeats", type=int, default=30, help="repeats of the flat broadcast and the memcpy "
+                   f"(the first {UNTIMED_REPEATS} not counted)")
     p.add_argument("--trl_venv", default=str(REPO / ".trl-venv"), help="created once (git-ignored)")
     p.add_argument("--worker", choices=["vllm", "trl", "broadcast"], help="internal: run one peer, print JSON")
     p.add_argument("--spec", default=None, help="internal: the worker's JSON input file")
@@ -296,7 +296,7 @@ def slowest_median(collective, group, repeats: int, before=lambda: None) -> floa
         t0 = time.perf_counter()
         collective()
         seconds.append(time.perf_counter() - t0)
-    slowest = torch.tensor(seconds[5:], dtype=torch.float64)
+    slowest = torch.tensor(seconds[UNTIMED_REPEATS:], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return statistics.median(slowest.tolist())
 
@@ -310,7 +310,7 @@ def memcpy_seconds(nbytes: int, repeats: int) -> float:
         t0 = time.perf_counter()
         dst.copy_(src)
         seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds[5:])
+    return statistics.median(seconds[UNTIMED_REPEATS:])
 
 
 def machine_rates(model: str, dtype) -> dict:
@@ -513,8 +513,8 @@ def main() -> None:
         return
     if args.warmup_steps >= min(args.steps, args.sync_steps):
         sys.exit("bench error: --warmup_steps leaves no timed steps")
-    if args.repeats <= 5:
-        sys.exit("bench error: --repeats must be over 5 (the first 5 are not timed)")
+    if args.repeats <= UNTIMED_REPEATS:
+        sys.exit(f"bench error: --repeats must be over {UNTIMED_REPEATS} (the first {UNTIMED_REPEATS} are not timed)")
     sys.path.insert(0, str(REPO))
     import torch
     from forge_core.config import load_config
