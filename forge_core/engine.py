@@ -16,8 +16,8 @@ from .config import ForgeError
 from .model import bf16_chosen
 from .rollout import Rollout, pad_left, pad_right
 
-__all__ = ["EngineConfig", "SamplingConfig", "build_engine", "join_engine_groups", "close_engines", "check_kv_cache",
-           "engine_dtype", "norm_kernels", "generate", "sampling_params", "sampled_logprobs"]
+__all__ = ["EngineConfig", "SamplingConfig", "build_engine", "eager_everywhere", "join_engine_groups", "close_engines",
+           "check_kv_cache", "engine_dtype", "norm_kernels", "generate", "sampling_params", "sampled_logprobs"]
 
 Share = Annotated[float, Interval(gt=0, le=1)]
 
@@ -50,7 +50,17 @@ def build_engine(model_path: str, cfg: EngineConfig, seed: int):
     """One vLLM engine per group of `tensor_parallel_size` ranks, in this process. Collective: every rank
     of the world must reach this line (ranks without an engine call `join_engine_groups` instead)."""
     from vllm import LLM
+    if not torch.cuda.is_available() and cfg.enforce_eager:
+        eager_everywhere()
     return LLM(**_engine_kwargs(model_path, cfg, seed))
+
+
+def eager_everywhere() -> None:
+    """For a CPU engine: vLLM in eager mode still compiles one sampler helper with inductor (the sampled token's
+    rank among the logprobs, `(x >= v).sum(-1)`), which cost 2.5 s at the first generate of every engine (4 s
+    with 3 ranks on 2 cores), in every launch. torch's `force_eager` stance runs whatever this process
+    compiles as plain torch; on CPU nothing else in our processes is compiled (logprobs bit for bit alike)."""
+    torch.compiler.set_stance("force_eager")
 
 
 def join_engine_groups(model_path: str, cfg: EngineConfig, local_rank: int) -> None:

@@ -4,6 +4,7 @@ by an optimizer step, sync them into each rank's colocated vLLM engine, then che
     both right after the engine starts and after the step,
   - greedy generation from vLLM equals greedy generation from the trainer's weights in HF,
   - vLLM's logprobs of sampled tokens equal the trainer's recomputed logprobs,
+  - on CPU nothing was compiled on the way (`forge_core.engine.eager_everywhere`),
 also for a prompt of several KV blocks that the engine cached before the step (a sync must drop that cache).
 Writes <out>/rank<r>.json.
 
@@ -95,7 +96,8 @@ def main(model_dir: str, out_dir: str) -> None:
     mask = sampled.completion_mask.bool()
     gap = (trainer_logprobs - sampled.sampler_logprobs)[mask].abs().max().item()
     result = {"fresh_mismatched": fresh_mismatched, "mismatched": mismatched, "vllm_greedy": vllm_greedy, "hf_greedy": hf_greedy,
-              "logprob_gap": gap, "sync_bytes": stats.bytes, "changed": changed}
+              "logprob_gap": gap, "sync_bytes": stats.bytes, "changed": changed,
+              "compiled_frames": torch._dynamo.utils.counters["frames"]["total"]}
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / f"rank{roles.rank}.json").write_text(json.dumps(result))
 
