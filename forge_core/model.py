@@ -278,14 +278,15 @@ def _average_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> 
     ranks, as FSDP's reduce-scatter averages. One bucket is flattened while the last one is reduced: the
     copies cost two buckets of memory, not the model's gradients again."""
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    ranks = dist.get_world_size(group)
     in_flight: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = []
     for bucket in _buckets(grads, GRADIENT_BUCKET_BYTES):
         flat = _flatten_dense_tensors(bucket)
         in_flight.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
         if len(in_flight) == 2:
-            _unflatten_mean(*in_flight.pop(0), dist.get_world_size(group))
-    for bucket, flat, work in in_flight:
-        _unflatten_mean(bucket, flat, work, dist.get_world_size(group))
+            _unflatten_mean(*in_flight.pop(0), ranks)
+    for item in in_flight:
+        _unflatten_mean(*item, ranks)
 
 
 def _unflatten_mean(bucket: list[torch.Tensor], flat: torch.Tensor, work: dist.Work, ranks: int) -> None:
