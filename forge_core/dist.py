@@ -245,7 +245,10 @@ def _report(message: str, key: str | None) -> None:
 
 
 def _elsewhere() -> str:
-    """Where the other busy ranks were, the longest in their phase first: one that stopped answering is there."""
+    """Where the other busy ranks were, the longest in their phase first: one that stopped answering is there.
+    Nowhere to read before the store exists: a rank still joining the group when its peers left fails there."""
+    if _here.store is None:
+        return ""
     try:
         _here.store.set_timeout(timedelta(seconds=5))
         keys = [f"phase/{r}" for r in range(int(os.environ["WORLD_SIZE"])) if r != _here.rank]

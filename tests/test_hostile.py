@@ -207,6 +207,21 @@ def test_an_error_every_rank_finds_is_printed_once(tiny, tmp_path, case):
     assert proc.stderr.count(message) == 1 and "collective failed" not in proc.stderr, proc.stderr[-3000:]
 
 
+def test_a_collective_that_fails_while_joining_the_group_is_one_line(tmp_path):
+    """A rank still joining the process group when its peers have left (they all found a config error) fails
+    before the store that says where the others were exists: one line, no traceback of ours."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch.distributed as dist\n"
+                     "from forge_core.dist import run_main\n"
+                     "def main():\n"
+                     "    raise dist.DistNetworkError('[/gloo/transport/tcp/pair.cc:1] Connection reset by peer')\n"
+                     "run_main(main)\n")
+    proc = run_script(str(probe), [], check=False)
+    assert proc.returncode == 1
+    assert "collective failed in phase start after 0 s: Connection reset by peer" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_an_error_one_rank_finds_is_printed(tmp_path):
     """Rank 2 alone finds an error while the others wait in a collective: its line is printed, and the
     others' "connection reset" that follows is not."""
