@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 from forge_core.data import chat_prompt_ids
-from forge_core.dist import Layout, close_dist, init_roles
+from forge_core.dist import Layout, init_roles, run_main
 from forge_core.engine import EngineConfig, SamplingConfig, build_engine, generate
 from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, load_model, load_tokenizer,
                               optimizer_step, shard)
@@ -97,10 +98,10 @@ def main(model_dir: str, out_dir: str) -> None:
     gap = (trainer_logprobs - sampled.sampler_logprobs)[mask].abs().max().item()
     result = {"fresh_mismatched": fresh_mismatched, "mismatched": mismatched, "vllm_greedy": vllm_greedy, "hf_greedy": hf_greedy,
               "logprob_gap": gap, "sync_bytes": stats.bytes, "changed": changed,
-              "compiled_frames": torch._dynamo.utils.counters["frames"]["total"]}
+              "compiled_frames": counters["frames"]["total"]}
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / f"rank{roles.rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    run_main(lambda: main(sys.argv[1], sys.argv[2]))     # leaves without the interpreter's teardown, as the scripts do

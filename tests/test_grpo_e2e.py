@@ -54,13 +54,23 @@ def test_reference_ranks_give_the_policys_logprobs_at_the_start(tiny, tmp_path):
     assert metrics[3]["loss/kl"] > 1e-6
 
 
-def test_raising_reward_scores_zero_and_is_counted(tiny, tmp_path):
-    run_script("train_grpo.py", grpo_args(tiny, tmp_path, "--train.steps", "2", "--rewards.functions",
+def test_reward_ranks_count_a_raising_function_and_add_a_reward_models_score(tiny, tmp_path):
+    """On the reward ranks: a function that raises on every other prompt scores 0 there and is counted, and
+    an HF sequence-classification model (here a random tiny Llama head) adds its score to the rule rewards."""
+    import torch
+    from transformers import AutoConfig, LlamaForSequenceClassification
+    config = AutoConfig.from_pretrained(tiny / "init", num_labels=1)
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    run_script("train_grpo.py", grpo_args(tiny, tmp_path / "out", "--train.steps", "2", "--rewards.functions",
                                           "tests/rewards_for_tests.py:digit_fraction",
-                                          "tests/rewards_for_tests.py:flaky"), nproc=3)
-    metrics = read_metrics(tmp_path)
+                                          "tests/rewards_for_tests.py:flaky", "--rewards.model_path",
+                                          str(tmp_path / "rm"), "--rewards.model_weight", "1.0"), nproc=3)
+    metrics = read_metrics(tmp_path / "out")
     assert all(metrics[s]["reward/errors"] > 0 for s in (1, 2))
     assert 0 < metrics[2]["reward/flaky"] < 1
+    rules = metrics[1]["reward/digit_fraction"] + metrics[1]["reward/flaky"]
+    assert abs(metrics[1]["reward/mean"] - rules) > 1e-4     # the model's scores moved the reward
 
 
 def test_dynamic_sampling_drops_zero_variance_groups_from_the_loss(tiny, tmp_path):
@@ -109,20 +119,6 @@ def test_one_step_off_pipeline_learns(tiny, tmp_path):
     last = sum(metrics[s]["reward/mean"] for s in range(STEPS - 2, STEPS + 1)) / 3
     assert last > first + 0.1, (first, last)
     assert metrics[1]["loss/logprob_gap"] < 1e-5 < metrics[STEPS]["loss/logprob_gap"]
-
-
-def test_reward_model_on_the_reward_ranks(tiny, tmp_path):
-    """An HF sequence-classification model (here a random tiny Llama head) adds its score to the rule rewards."""
-    import torch
-    from transformers import AutoConfig, LlamaForSequenceClassification
-    config = AutoConfig.from_pretrained(tiny / "init", num_labels=1)
-    torch.manual_seed(0)
-    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
-    run_script("train_grpo.py", grpo_args(tiny, tmp_path / "out", "--train.steps", "2", "--rewards.model_path",
-                                          str(tmp_path / "rm"), "--rewards.model_weight", "1.0"), nproc=3)
-    metrics = read_metrics(tmp_path / "out")
-    rule = metrics[1]["reward/digit_fraction"]
-    assert abs(metrics[1]["reward/mean"] - rule) > 1e-4     # the model's scores moved the reward
 
 
 def test_one_rank_bf16_policy_trains_and_syncs(tiny, tmp_path):

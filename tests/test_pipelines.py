@@ -11,8 +11,8 @@ ACCURACY = re.compile(r"held-out accuracy: greedy ([\d.]+) -> ([\d.]+) \(\d+ row
                       r"sampled \(T=1, 8 per prompt\) ([\d.]+) -> ([\d.]+) \(step 0 -> (\d+)\)")
 
 
-def _pipeline(tmp_path, task: str, sft_config: str, grpo_config: str, sft_steps: int, grpo_steps: int,
-              *grpo_extra: str) -> tuple[dict, subprocess.CompletedProcess]:
+def _pipeline(tmp_path, task: str, sft_config: str, grpo_config: str, sft_steps: int, grpo_steps: int
+              ) -> tuple[dict, subprocess.CompletedProcess]:
     data = tmp_path / "artifacts"
     subprocess.run([sys.executable, str(REPO / "tools" / "build_tiny.py"), "--task", task, "--out", str(data)],
                    check=True, cwd=REPO, capture_output=True)
@@ -20,10 +20,11 @@ def _pipeline(tmp_path, task: str, sft_config: str, grpo_config: str, sft_steps:
     run_script("train_sft.py", ["--config", sft_config, "--model.path", str(data / "init"), *paths,
                                 "--train.steps", str(sft_steps), "--train.eval_every", "0", "--data.eval_rows", "16",
                                 "--out_dir", str(tmp_path / "sft")], nproc=2)
+    # GRPO on one rank: the policy scores its own samples, as reward ranks would (test_reward_ranks_score_like_one_process)
     grpo = run_script("train_grpo.py", ["--config", grpo_config, "--model.path", str(tmp_path / "sft" / "hf"), *paths,
                                         "--train.steps", str(grpo_steps), "--train.eval_every", "0",
-                                        "--data.eval_rows", "64", "--out_dir", str(tmp_path / "grpo"), *grpo_extra],
-                      nproc=3)
+                                        "--data.eval_rows", "64", "--out_dir", str(tmp_path / "grpo"),
+                                        "--layout.reference", "0", "--layout.reward", "0"], nproc=1)
     return read_metrics(tmp_path / "sft"), grpo
 
 
