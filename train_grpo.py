@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Callable, Iterator, Literal
 
 import torch
-import torch.distributed as dist
 from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from torch import Tensor
 
@@ -32,8 +31,9 @@ from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check
 from forge_core.env import EnvConfig, load_env, run_episodes
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
-from forge_core.model import (BadSteps, FSDPConfig, ModelConfig, OptimConfig, bf16_chosen, build_optimizer, export_hf,
-                              linear_kernel, load_model, load_tokenizer, optimizer_step, set_gradient_sync, shard)
+from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, export_hf, linear_kernel, load_model, load_tokenizer,
+                              set_gradient_sync, shard)
+from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
 from forge_core.rollout import Rollout, balanced_share, pad_cat, shared_prompt_rows
 from forge_core.scoring import accuracy_scorer, function_names, load_reward_functions, reward_pool, score
 from forge_core.sync import WeightSync
@@ -467,7 +467,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
     env_class = load_env(cfg.env)
     accuracy_name = cfg.rewards.accuracy or ("env" if env_class else function_names(cfg.rewards)[0])
     sample, sample_eval = (sampler(engine, tokenizer, r, cfg, env_class) for r in (rows, eval_rows))
-    P, G = len(roles.policy_ranks), cfg.sampling.num_generations
+    G = cfg.sampling.num_generations
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=steps.start)
     bad_steps = BadSteps(cfg.train.max_bad_steps, log.print)
     weight_sync = WeightSync(policy, engine, cfg.engine.tensor_parallel_size)   # engine = trainer's weights

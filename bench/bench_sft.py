@@ -89,7 +89,8 @@ def hf_worker(cfg: BenchConfig) -> None:
     sys.path.insert(0, str(REPO))      # train_sft.py is a script at the repo root, not a package module
     from forge_core.config import load_config
     from forge_core.data import collate_sft, sample_indices
-    from forge_core.model import build_optimizer, load_model, load_tokenizer
+    from forge_core.model import load_model, load_tokenizer
+    from forge_core.optim import build_optimizer
     from train_sft import SFTConfig, load_examples
 
     sft = load_config(SFTConfig, ["--config", cfg.config, "--train.steps", str(cfg.steps)])

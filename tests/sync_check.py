@@ -22,8 +22,8 @@ from torch._dynamo.utils import counters
 from forge_core.data import chat_prompt_ids
 from forge_core.dist import Layout, init_roles, run_main
 from forge_core.engine import EngineConfig, SamplingConfig, build_engine, generate
-from forge_core.model import (FSDPConfig, ModelConfig, OptimConfig, build_optimizer, load_model, load_tokenizer,
-                              optimizer_step, shard)
+from forge_core.model import FSDPConfig, ModelConfig, load_model, load_tokenizer, shard
+from forge_core.optim import OptimConfig, build_optimizer, optimizer_step
 from forge_core.sync import WeightSync, engine_state_dict
 from train_grpo import token_logprobs
 

@@ -17,7 +17,8 @@ from conftest import (REPO, assert_clean_error, grpo_args, read_metrics, run_scr
                       tiny_sft_args)
 from forge_core.config import ForgeError, load_config
 from forge_core.data import sample_indices
-from forge_core.model import BadSteps, ModelConfig, OptimConfig, build_optimizer, load_tokenizer, optimizer_step
+from forge_core.model import ModelConfig, load_tokenizer
+from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
 from test_fault_tolerance import wait_for, workers
 from train_grpo import GRPOConfig, check_config
 from train_sft import SFTConfig

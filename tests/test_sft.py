@@ -37,22 +37,22 @@ def test_replicas_average_gradients_over_several_buckets_of_mixed_dtypes(tmp_pat
     probe = tmp_path / "probe.py"
     probe.write_text("""
 import torch, torch.distributed as dist
-import forge_core.model as model_module
+import forge_core.optim as optim_module
 from forge_core.dist import init_dist, run_main
 def main():
     d = init_dist()
-    model_module.GRADIENT_BUCKET_BYTES = 1000
+    optim_module.GRADIENT_BUCKET_BYTES = 1000
     shapes = [(7, 5), (3, 3), (300,), (3, 4), (2, 2, 2), (1,)]
     dtypes = [torch.float32] * 3 + [torch.bfloat16] * 2 + [torch.float32]
     params = [torch.nn.Parameter(torch.zeros(s, dtype=t)) for s, t in zip(shapes, dtypes)]
     for i, p in enumerate(params):
         p.grad = torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) * (d.rank + 1) + i
-    model_module._average_gradients(params, dist.group.WORLD)
+    optim_module._average_gradients(params, dist.group.WORLD)
     for i, p in enumerate(params):
         mean = torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) * 1.5 + i
         torch.testing.assert_close(p.grad, mean.to(p.dtype), rtol=0, atol=0)
     if d.rank == 0:
-        print("averaged in buckets of", [len(b) for b in model_module._buckets([p.grad for p in params], 1000)])
+        print("averaged in buckets of", [len(b) for b in optim_module._buckets([p.grad for p in params], 1000)])
 run_main(main)  # leaves as the scripts do: the interpreter's teardown can abort a gloo rank
 """)
     proc = run_script(str(probe), [], nproc=2)
