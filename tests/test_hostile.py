@@ -42,7 +42,12 @@ def test_a_frozen_rank_ends_the_job_within_the_timeout(tiny, tmp_path):
         frozen = workers(proc.pid)[2]
         os.kill(frozen, signal.SIGSTOP)
         frozen_at = time.monotonic()
-        code = proc.wait(timeout=timeout_s + 120)
+        # A hung rank takes torchrun's SIGTERM at once; a stopped one only once continued (else torchrun waits
+        # 30 s before its SIGKILL): continued right after that signal, it dies as a hung one would.
+        wait_for(lambda: f"Sending process {frozen} closing signal SIGTERM" in log.read_text(), proc,
+                 "torchrun ending the frozen rank", timeout=timeout_s + 60)
+        os.kill(frozen, signal.SIGCONT)
+        code = proc.wait(timeout=60)
         took = time.monotonic() - frozen_at
     finally:
         _kill_session(proc.pid, frozen)
