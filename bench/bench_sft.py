@@ -156,12 +156,20 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def ensure_tiny_model(cfg: BenchConfig) -> None:
+    """The default config's model and data (artifacts/tiny) are built here, as `make run` builds them."""
+    if cfg.config == BenchConfig.config and not (REPO / "artifacts/tiny/init/config.json").exists():
+        print("building the tiny model and data: tools/build_tiny.py --out artifacts/tiny ...", flush=True)
+        run_checked([sys.executable, "tools/build_tiny.py", "--out", "artifacts/tiny"])
+
+
 def main() -> None:
     cfg = tyro.cli(BenchConfig, use_underscores=True)
     if cfg.hf_worker:
         return hf_worker(cfg)
     if cfg.warmup_steps >= cfg.steps:
         sys.exit(f"bench error: --warmup_steps {cfg.warmup_steps} leaves no timed steps of --steps {cfg.steps}")
+    ensure_tiny_model(cfg)
     best: dict[tuple[str, int], Result] = {}
     for repeat in range(cfg.repeats):   # interleaved, so a burst of load on the shared machine hits every side
         for run in [*(lambda n=n: run_ours(cfg, n) for n in cfg.ranks), lambda: run_hf(cfg, False),
