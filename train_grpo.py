@@ -31,8 +31,8 @@ from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check
 from forge_core.env import EnvConfig, load_env, run_episodes
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
-from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, export_hf, linear_kernel, load_model, load_tokenizer,
-                              set_gradient_sync, shard)
+from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, export_hf, linear_kernel, load_model,
+                              load_tokenizer, set_gradient_sync, shard)
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
 from forge_core.rollout import Rollout, balanced_share, pad_cat, shared_prompt_rows
 from forge_core.scoring import accuracy_scorer, function_names, load_reward_functions, reward_pool, score

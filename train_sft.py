@@ -21,8 +21,8 @@ from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, e
 from forge_core.dist import Dist, DistConfig, close_dist, init_dist, run_main, set_phase
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
-from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, export_hf, linear_kernel, load_model, load_tokenizer,
-                              set_gradient_sync, shard)
+from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, export_hf, linear_kernel, load_model,
+                              load_tokenizer, set_gradient_sync, shard)
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
 
 

@@ -20,7 +20,8 @@ def _pipeline(tmp_path, task: str, sft_config: str, grpo_config: str, sft_steps:
     run_script("train_sft.py", ["--config", sft_config, "--model.path", str(data / "init"), *paths,
                                 "--train.steps", str(sft_steps), "--train.eval_every", "0", "--data.eval_rows", "16",
                                 "--out_dir", str(tmp_path / "sft")], nproc=2)
-    # GRPO on one rank: the policy scores its own samples, as reward ranks would (test_reward_ranks_score_like_one_process)
+    # GRPO on one rank: the policy scores its own samples, as reward ranks would
+    # (test_grpo_e2e.py::test_reward_ranks_score_like_one_process)
     grpo = run_script("train_grpo.py", ["--config", grpo_config, "--model.path", str(tmp_path / "sft" / "hf"), *paths,
                                         "--train.steps", str(grpo_steps), "--train.eval_every", "0",
                                         "--data.eval_rows", "64", "--out_dir", str(tmp_path / "grpo"),

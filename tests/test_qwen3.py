@@ -50,9 +50,9 @@ def test_synced_engines_equal_the_qwen3_trainer(qwen3, tmp_path):
 
 
 def test_qwen3_sft_then_grpo_resumes_and_exports(qwen3, tmp_path):
-    """SFT (2 ranks) exports a Qwen3 that GRPO (1 rank: the roles are tested on Llama) trains: the engine's logprobs equal the trainer's at
-    every step, a run stopped at step 4 resumes onto the straight run's curve, and the export is a Qwen3 whose
-    q/k norms were trained."""
+    """SFT (2 ranks) exports a Qwen3 that GRPO (1 rank: the roles are tested on Llama) trains: the engine's
+    logprobs equal the trainer's at every step, a run stopped at step 4 resumes onto the straight run's curve, and
+    the export is a Qwen3 whose q/k norms were trained."""
     run_script("train_sft.py", ["--config", "configs/sft/tiny_qwen3.yaml", "--model.path", str(qwen3 / "init"),
                                 *data_args(qwen3), "--out_dir", str(tmp_path / "sft"), "--train.steps", "40",
                                 "--train.eval_every", "0", "--data.eval_rows", "16"], nproc=2)
