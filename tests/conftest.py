@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# The suite starts some 300 Python processes on the repository's modules: compile them once, whatever the
+# environment says (tests' subprocesses inherit this).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 def script_command(script: str, args: list[str], nproc: int | None = None, launcher_args: tuple[str, ...] = ()
