@@ -95,22 +95,25 @@ def token_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return -chosen_logprobs(logits.flatten(0, 1), labelled, kept[labelled])[0].sum()
 
 
-def train_step(model, examples: list[Example], cfg: SFTConfig, d: Dist, pad_id: int) -> dict[str, float]:
+def count_targets(examples: list[Example]) -> int:
+    """Response tokens the loss is taken over: every label but the first (a prompt token), which nothing predicts."""
+    return sum(sum(label != IGNORE for label in labels[1:]) for _, labels in examples)
+
+
+def train_step(model, examples: list[Example], global_targets: int, cfg: SFTConfig, d: Dist, pad_id: int) -> float:
     """Forward/backward over this rank's micro-batches; the loss is normalised by the *global* number of
-    response tokens so that N ranks compute exactly what one process would (FSDP averages over ranks)."""
+    response tokens so that N ranks compute exactly what one process would (FSDP averages over ranks).
+    Returns this rank's summed NLL. Every rank counts the global batch's targets itself, so the gradient
+    all-reduce is the step's only point where the ranks wait for each other."""
     micro_batches = [collate_sft(examples[i:i + cfg.train.micro_batch_size], pad_id, cfg.data.pack,
                                  cfg.data.max_length) for i in range(0, len(examples), cfg.train.micro_batch_size)]
-    local = {"targets": sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in micro_batches),
-             "tokens": sum(len(ids) for ids, _ in examples)}
-    total = reduce_metrics(local, device=d.device)
     loss_sum = 0.0
     for i, mb in enumerate(micro_batches):
         set_gradient_sync(model, i == len(micro_batches) - 1)
         nll = token_nll(model, {k: v.to(d.device) for k, v in mb.items()})
-        (nll * d.world_size / total["targets"]).backward()
+        (nll * d.world_size / global_targets).backward()
         loss_sum += nll.item()
-    loss = reduce_metrics({"loss": loss_sum}, device=d.device)["loss"] / total["targets"]
-    return {"train/loss": loss, "tokens": total["tokens"]}
+    return loss_sum
 
 
 # ---- held-out evaluation ----
@@ -174,23 +177,28 @@ def main() -> None:
               + (f"resumed from {path}" if start_step else "fresh start"))
 
     end_step = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
+    window_start, window_tokens = time.perf_counter(), 0        # tokens/s: wall clock since the last log
     for step in range(start_step, end_step):
-        t0 = time.perf_counter()
         set_phase("train")
-        rows = sample_indices(step, cfg.train.batch_size, len(examples), cfg.train.seed)[d.rank::d.world_size]
-        stats = train_step(model, [examples[i] for i in rows], cfg, d, tokenizer.pad_token_id)
+        batch = [examples[i] for i in sample_indices(step, cfg.train.batch_size, len(examples), cfg.train.seed)]
+        targets = count_targets(batch)
+        loss_sum = train_step(model, batch[d.rank::d.world_size], targets, cfg, d, tokenizer.pad_token_id)
         lr = sched.get_last_lr()[0]
         grad_norm = optimizer_step(model, optim, sched, cfg.optim.max_grad_norm)   # skips a non-finite update
+        window_tokens += sum(len(ids) for ids, _ in batch)
         done = step + 1
         bad_steps.count(done, grad_norm)
-        metrics = {"train/loss": stats["train/loss"], "train/lr": lr, "train/grad_norm": grad_norm,
-                   "train/tokens_per_s": stats["tokens"] / (time.perf_counter() - t0),
-                   "train/skipped_steps": bad_steps.total, "mem/peak_gb_rank0": peak_memory_gb(d.device)}
-        if done == cfg.train.steps or (cfg.train.eval_every and done % cfg.train.eval_every == 0):
-            set_phase("eval")
-            metrics |= evaluate(model, tokenizer, eval_rows, cfg, d)
-        if done % cfg.train.log_every == 0 or done == end_step or "eval/loss" in metrics:
+        evaluating = done == cfg.train.steps or (cfg.train.eval_every and done % cfg.train.eval_every == 0)
+        if done % cfg.train.log_every == 0 or done == end_step or evaluating:
+            metrics = {"train/loss": reduce_metrics({"loss": loss_sum}, device=d.device)["loss"] / targets,
+                       "train/lr": lr, "train/grad_norm": grad_norm,
+                       "train/tokens_per_s": window_tokens / (time.perf_counter() - window_start),
+                       "train/skipped_steps": bad_steps.total, "mem/peak_gb_rank0": peak_memory_gb(d.device)}
+            if evaluating:
+                set_phase("eval")
+                metrics |= evaluate(model, tokenizer, eval_rows, cfg, d)
             log.log(done, metrics, ("train/loss", "train/lr", "train/tokens_per_s", "eval/loss", "eval/exact_match"))
+            window_start, window_tokens = time.perf_counter(), 0
         meta = {"scheduler": sched.state_dict(), "samples_seen": done * cfg.train.batch_size,
                 "config": config_to_dict(cfg)}
         set_phase("checkpoint")
