@@ -1,7 +1,7 @@
 """SFT throughput on the tiny default job: our train_sft.py on 1 and 2 ranks vs a single-process
 Hugging Face `transformers.Trainer` doing the same work, as a markdown table for the README.
 
-    python bench/bench_sft.py                       # about 8 minutes on 2 CPU cores (Xeon model 207)
+    python bench/bench_sft.py                       # about 4 minutes on 2 CPU cores (Xeon model 207)
     python bench/bench_sft.py --steps 100 --repeats 3
 
 Same work on every side: the model of `configs/sft/tiny.yaml` in fp32, the same examples in the same order
