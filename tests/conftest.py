@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -109,3 +110,26 @@ def three_role_run(tiny, tmp_path_factory) -> Path:
     proc = run_script("train_grpo.py", grpo_args(tiny, out, "--train.steps", str(STEPS)), nproc=3)
     (out / "console.log").write_text(proc.stdout)
     return out
+
+
+HELD_OUT_ACCURACY = re.compile(r"held-out accuracy: greedy ([\d.]+) -> ([\d.]+) \(\d+ rows, s.e. [\d.]+\), "
+                               r"sampled \(T=1, 8 per prompt\) ([\d.]+) -> ([\d.]+) \(step 0 -> (\d+)\)")
+
+
+def run_pipeline(tmp_path: Path, task: str, sft_config: str, grpo_config: str, sft_steps: int, grpo_steps: int
+                 ) -> tuple[dict, subprocess.CompletedProcess]:
+    """A shipped pipeline, shortened: build_tiny.py's task, SFT on 2 ranks, then GRPO on one rank (the policy
+    scores its own samples, as reward ranks would: test_grpo_e2e.py::test_reward_ranks_score_like_one_process).
+    The SFT run's metrics and the GRPO run."""
+    data = tmp_path / "artifacts"
+    subprocess.run([sys.executable, str(REPO / "tools" / "build_tiny.py"), "--task", task, "--out", str(data)],
+                   check=True, cwd=REPO, capture_output=True)
+    paths = ["--data.path", str(data / "data" / "train.jsonl"), "--data.eval_path", str(data / "data" / "eval.jsonl")]
+    run_script("train_sft.py", ["--config", sft_config, "--model.path", str(data / "init"), *paths,
+                                "--train.steps", str(sft_steps), "--train.eval_every", "0", "--data.eval_rows", "16",
+                                "--out_dir", str(tmp_path / "sft")], nproc=2)
+    grpo = run_script("train_grpo.py", ["--config", grpo_config, "--model.path", str(tmp_path / "sft" / "hf"), *paths,
+                                        "--train.steps", str(grpo_steps), "--train.eval_every", "0",
+                                        "--data.eval_rows", "64", "--out_dir", str(tmp_path / "grpo"),
+                                        "--layout.reference", "0", "--layout.reward", "0"], nproc=1)
+    return read_metrics(tmp_path / "sft"), grpo

@@ -1,8 +1,11 @@
 """Multi-turn GRPO end to end (real torchrun, real vLLM engines): episodes with observations of both kinds, the
 trainer's logprobs of the model's tokens equal the engine's, a raising environment ends only its episode, and a
-resumed run reproduces the uninterrupted one."""
+resumed run reproduces the uninterrupted one; the agentic pipeline (`make run-agent`, shortened) learns that the
+calculator pays."""
 
-from conftest import assert_same_curve, grpo_args, read_metrics, run_script
+import re
+
+from conftest import HELD_OUT_ACCURACY, assert_same_curve, grpo_args, read_metrics, run_pipeline, run_script
 
 STEPS = 6
 EPISODE_ARGS = ("--env.name", "tests/envs_for_tests.py:Chatter", "--env.max_turns", "3",
@@ -30,3 +33,15 @@ def test_multi_turn_episodes_train_with_engine_logprob_parity_and_resume(tiny, t
     run_script("train_grpo.py", args, nproc=3)
     assert_same_curve(read_metrics(resumed), metrics, range(4, STEPS + 1),
                       keys=("reward/mean", "loss/entropy", "train/grad_norm", "episode/turns"))
+
+
+def test_calculator_pipeline_learns_to_use_the_tool(tmp_path):
+    _, grpo = run_pipeline(tmp_path, "calculator", "configs/sft/tiny_calculator.yaml",
+                           "configs/grpo/tiny_calculator.yaml", 300, 20)
+    greedy_start, greedy_end, sampled_start, sampled_end, _ = map(float, HELD_OUT_ACCURACY.findall(grpo.stdout)[-1])
+    tool_start, tool_end = map(float, re.findall(r"tool use: ([\d.]+) -> ([\d.]+) of episodes", grpo.stdout)[-1])
+    assert greedy_end > greedy_start + 0.2 and sampled_end > sampled_start + 0.2, grpo.stdout[-600:]
+    assert tool_end > tool_start + 0.2
+    metrics = read_metrics(tmp_path / "grpo")
+    assert metrics[20]["episode/tool_calls"] > metrics[1]["episode/tool_calls"]
+    assert metrics[20]["episode/turns"] > 1.5

@@ -1,8 +1,9 @@
-"""bench/bench_grpo.py runs through on a few steps (without its TRL peer, which needs a venv of its own): the
-benchmark is how the issue's targets are measured, and a crash in one of its workers went unseen once."""
+"""The benches run through on a few steps (bench_grpo.py without its TRL peer, which needs a venv of its own):
+they are how the issues' targets are measured, and a crash in one of bench_grpo's workers went unseen once."""
 
 import json
 
+import pytest
 import yaml
 
 from conftest import REPO, run_script
@@ -23,6 +24,22 @@ def test_grpo_bench_prints_its_tables(tiny, tmp_path):
     assert raw["ours"]["time/step"] > 0 and raw["vllm"]["tokens_per_s"] > 0 and raw["broadcast"]["seconds"] > 0
     for key in ("accuracy", "accuracy_sampled"):
         assert 0 <= raw[key]["start"] <= 1 and 0 <= raw[key]["ours"] <= 1
+
+
+def test_sft_bench_does_the_trainers_work(tiny, tmp_path):
+    """bench/bench_sft.py on a few steps: ours on 2 ranks and the Trainer end at the same loss (the same work)."""
+    config = yaml.safe_load((REPO / "configs" / "sft" / "tiny.yaml").read_text())
+    config["model"]["path"] = str(tiny / "init")
+    config["data"] |= {"path": str(tiny / "data" / "train.jsonl"), "eval_path": str(tiny / "data" / "eval.jsonl"),
+                       "eval_rows": 16}
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(config))
+    proc = run_script("bench/bench_sft.py", ["--config", str(tmp_path / "sft.yaml"), "--steps", "10",
+                                             "--warmup_steps", "5", "--repeats", "1", "--ranks", "2"])
+    rows = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ")
+            for line in proc.stdout.splitlines() if line.startswith("| ") and " GB | " in line}
+    ours, trainer = rows["ours: train_sft.py"], rows["HF transformers.Trainer"]
+    assert ours[1] == "2" and float(ours[2].replace(",", "")) > 0, ours
+    assert float(ours[4]) == pytest.approx(float(trainer[4]), abs=2e-3), (ours, trainer)
 
 
 def test_gemm_bench_prints_every_linear(tiny):
