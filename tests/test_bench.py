@@ -35,8 +35,8 @@ def test_sft_bench_does_the_trainers_work(tiny, tmp_path):
     (tmp_path / "sft.yaml").write_text(yaml.safe_dump(config))
     proc = run_script("bench/bench_sft.py", ["--config", str(tmp_path / "sft.yaml"), "--steps", "10",
                                              "--warmup_steps", "5", "--repeats", "1", "--ranks", "2"])
-    rows = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ")
-            for line in proc.stdout.splitlines() if line.startswith("| ") and " GB | " in line}
+    rows = {cells[0]: cells for cells in (line.strip("| ").split(" | ") for line in proc.stdout.splitlines()
+                                          if line.startswith("| ") and " GB | " in line)}
     ours, trainer = rows["ours: train_sft.py"], rows["HF transformers.Trainer"]
     assert ours[1] == "2" and float(ours[2].replace(",", "")) > 0, ours
     assert float(ours[4]) == pytest.approx(float(trainer[4]), abs=2e-3), (ours, trainer)
