@@ -96,7 +96,8 @@ def token_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def count_targets(examples: list[Example]) -> int:
-    """Response tokens the loss is taken over: every label but the first (a prompt token), which nothing predicts."""
+    """Response tokens the loss is taken over: every label but the first (a prompt token, which nothing
+    predicts), as `collate_sft` lays them out, packed or not."""
     return sum(sum(label != IGNORE for label in labels[1:]) for _, labels in examples)
 
 

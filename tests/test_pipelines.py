@@ -1,6 +1,6 @@
 """The default pipeline, shortened, learns what it claims: `make run` (SFT imitates a careless teacher, GRPO
-unlearns its slip). The agentic one (`make run-agent`) is in test_agentic.py: each file runs on an xdist worker
-of its own, and these two are the suite's longest tests."""
+unlearns its slip). The agentic one (`make run-agent`) is in test_agentic.py, so that xdist can run these two long
+tests side by side (a file stays on one worker)."""
 
 from conftest import HELD_OUT_ACCURACY, run_pipeline
 
