@@ -589,6 +589,9 @@ def main() -> None:
     eval_rows = read_rows(cfg.data.eval_path, cfg.data.eval_split, cfg.data.subset)[:cfg.data.eval_rows]
     require_fields(rows, [cfg.data.prompt_field, cfg.data.answer_field], cfg.data.path)
     require_fields(eval_rows, [cfg.data.prompt_field, cfg.data.answer_field], cfg.data.eval_path)
+    if len(eval_rows) < len(roles.policy_ranks):     # each policy rank evaluates a share of them
+        raise ForgeError(f"config error: {len(eval_rows)} held-out row(s) from {cfg.data.eval_path} (data.eval_rows="
+                         f"{cfg.data.eval_rows}) for {len(roles.policy_ranks)} policy ranks: give each at least one")
     tokenizer = load_tokenizer(cfg.model)
     torch.manual_seed(cfg.train.seed)
 

@@ -174,8 +174,9 @@ def vllm_worker(spec: dict) -> dict:
     import torch
     from vllm import LLM, SamplingParams
     sys.path.insert(0, str(REPO))
-    from forge_core.engine import eager_everywhere, norm_kernels
+    from forge_core.engine import eager_everywhere, inverse_cdf_sampling, norm_kernels
     eager_everywhere()     # as our engines run
+    inverse_cdf_sampling()
     correct_fn = reward_function(spec["accuracy_fn"])
     llm = LLM(model=spec["model"], tokenizer=spec["tokenizer"], dtype=spec["dtype"], enforce_eager=True,
               kv_cache_memory_bytes=spec["kv_cache_bytes"], seed=0, block_size=spec["block_size"],

@@ -4,7 +4,8 @@ by an optimizer step, sync them into each rank's colocated vLLM engine, then che
     both right after the engine starts and after the step,
   - greedy generation from vLLM equals greedy generation from the trainer's weights in HF,
   - vLLM's logprobs of sampled tokens equal the trainer's recomputed logprobs,
-  - on CPU nothing was compiled on the way (`forge_core.engine.eager_everywhere`),
+  - on CPU nothing was compiled on the way (`forge_core.engine.eager_everywhere`) and the engine draws by
+    inverse CDF (`forge_core.engine.inverse_cdf_sampling`),
 also for a prompt of several KV blocks that the engine cached before the step (a sync must drop that cache).
 Writes <out>/rank<r>.json.
 
@@ -53,6 +54,10 @@ def mismatches(engine, policy) -> list[str]:
     return [n for n, p in mine.items() if not torch.equal(p, trainer[n])]
 
 
+def sampler_name(worker) -> str:
+    return worker.model_runner.sampler.topk_topp_sampler.forward.__qualname__
+
+
 def main(model_dir: str, out_dir: str) -> None:
     roles = init_roles(Layout(policy=int(os.environ["WORLD_SIZE"]), reference=0, reward=0))
     cfg = ModelConfig(path=model_dir)
@@ -98,7 +103,7 @@ def main(model_dir: str, out_dir: str) -> None:
     gap = (trainer_logprobs - sampled.sampler_logprobs)[mask].abs().max().item()
     result = {"fresh_mismatched": fresh_mismatched, "mismatched": mismatched, "vllm_greedy": vllm_greedy, "hf_greedy": hf_greedy,
               "logprob_gap": gap, "sync_bytes": stats.bytes, "changed": changed,
-              "compiled_frames": counters["frames"]["total"]}
+              "compiled_frames": counters["frames"]["total"], "sampler": engine.collective_rpc(sampler_name)[0]}
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / f"rank{roles.rank}.json").write_text(json.dumps(result))
 

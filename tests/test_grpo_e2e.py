@@ -12,7 +12,8 @@ from conftest import STEPS, assert_clean_error, assert_same_curve, grpo_args, re
 def test_synced_engines_equal_the_trainer(tiny, tmp_path):
     """2 policy ranks (FSDP shards, one engine each): after a sync the engines hold the trainer's weights
     bit for bit (tied lm_head included), decode greedily like HF, and give the trainer's logprobs. On CPU the
-    engine compiled nothing (vLLM's sampler would, ~2.5 s at the first generate of every launch)."""
+    engine compiled nothing (vLLM's sampler would, ~2.5 s at the first generate of every launch) and drew its
+    samples by inverse CDF."""
     run_script("tests/sync_check.py", [str(tiny / "init"), str(tmp_path)], nproc=2)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -21,6 +22,7 @@ def test_synced_engines_equal_the_trainer(tiny, tmp_path):
         assert result["vllm_greedy"] == result["hf_greedy"]
         assert result["logprob_gap"] < 1e-5
         assert result["compiled_frames"] == 0
+        assert result["sampler"] == "inverse_cdf_sampling.<locals>.forward_cpu"
 
 
 def test_reward_rises_on_an_easy_task(three_role_run):
@@ -92,6 +94,8 @@ def test_dynamic_sampling_drops_zero_variance_groups_from_the_loss(tiny, tmp_pat
 @pytest.mark.parametrize("extra, message", [
     (["--layout.reward", "2"], "config error: layout policy=1 reference=1 reward=2 needs 4 ranks; torchrun started 3"),
     (["--rewards.functions", "no_such_reward"], "config error: rewards.functions: no 'no_such_reward' in rewards.py"),
+    (["--layout.policy", "2", "--layout.reference", "0", "--data.eval_rows", "1"],
+     "(data.eval_rows=1) for 2 policy ranks: give each at least one"),
 ])
 def test_layout_and_reward_errors(tiny, tmp_path, extra, message):
     proc = run_script("train_grpo.py", grpo_args(tiny, tmp_path / "out", *extra), nproc=3, check=False)
