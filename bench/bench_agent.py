@@ -41,9 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def single_turn_worker(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     sys.path.insert(0, str(REPO))
-    from forge_core.engine import eager_everywhere, inverse_cdf_sampling, norm_kernels
-    eager_everywhere()     # as our engines run
-    inverse_cdf_sampling()
+    from forge_core.engine import cpu_engine_setup, norm_kernels
+    cpu_engine_setup(enforce_eager=True)     # as our engines run
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, kv_cache_memory_bytes=2**28, seed=0,
               block_size=spec["block_size"], max_num_seqs=spec["max_num_seqs"], **norm_kernels())
     params = SamplingParams(n=spec["G"], max_tokens=spec["tokens"], min_tokens=spec["tokens"], ignore_eos=True,

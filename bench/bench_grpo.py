@@ -174,9 +174,8 @@ def vllm_worker(spec: dict) -> dict:
     import torch
     from vllm import LLM, SamplingParams
     sys.path.insert(0, str(REPO))
-    from forge_core.engine import eager_everywhere, inverse_cdf_sampling, norm_kernels
-    eager_everywhere()     # as our engines run
-    inverse_cdf_sampling()
+    from forge_core.engine import cpu_engine_setup, norm_kernels
+    cpu_engine_setup(enforce_eager=True)     # as our engines run
     correct_fn = reward_function(spec["accuracy_fn"])
     llm = LLM(model=spec["model"], tokenizer=spec["tokenizer"], dtype=spec["dtype"], enforce_eager=True,
               kv_cache_memory_bytes=spec["kv_cache_bytes"], seed=0, block_size=spec["block_size"],

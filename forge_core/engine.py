@@ -16,9 +16,9 @@ from .config import ForgeError
 from .model import bf16_chosen
 from .rollout import Rollout, pad_left, pad_right
 
-__all__ = ["EngineConfig", "SamplingConfig", "build_engine", "eager_everywhere", "inverse_cdf_sampling",
-           "join_engine_groups", "close_engines", "check_kv_cache", "engine_dtype", "norm_kernels", "generate",
-           "sampling_params", "sampled_logprobs"]
+__all__ = ["EngineConfig", "SamplingConfig", "build_engine", "cpu_engine_setup", "eager_everywhere",
+           "inverse_cdf_sampling", "join_engine_groups", "close_engines", "check_kv_cache", "engine_dtype",
+           "norm_kernels", "generate", "sampling_params", "sampled_logprobs"]
 
 Share = Annotated[float, Interval(gt=0, le=1)]
 
@@ -52,10 +52,16 @@ def build_engine(model_path: str, cfg: EngineConfig, seed: int):
     of the world must reach this line (ranks without an engine call `join_engine_groups` instead)."""
     from vllm import LLM
     if not torch.cuda.is_available():
-        inverse_cdf_sampling()
-        if cfg.enforce_eager:
-            eager_everywhere()
+        cpu_engine_setup(cfg.enforce_eager)
     return LLM(**_engine_kwargs(model_path, cfg, seed))
+
+
+def cpu_engine_setup(enforce_eager: bool) -> None:
+    """How this process's CPU engines run (ours, and the benches' standalone peers): our draw and, when eager,
+    nothing compiled. Before the engine is built (it binds the sampler then)."""
+    inverse_cdf_sampling()
+    if enforce_eager:
+        eager_everywhere()
 
 
 def eager_everywhere() -> None:

@@ -218,29 +218,43 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_hf(model: nn.Module, tokenizer, out_dir: str | Path, group: dist.ProcessGroup | None = None) -> None:
-    """Write a safetensors HF directory that transformers and vLLM load directly; atomic (tmp + rename).
+    """Write a safetensors HF directory that transformers and vLLM load directly; atomic (tmp + rename). A failed
+    write (disk full, file too large) is the same ForgeError on every rank, the tmp dir removed and an earlier
+    export in `out_dir` untouched.
 
     Collective: every rank of the model's FSDP group (`group`) calls it; the group's first rank writes.
     """
-    from huggingface_hub import save_torch_state_dict
+    from safetensors import SafetensorError
     state = full_state_dict(model)
+    out_dir, error = Path(out_dir), None
     if dist.get_rank(group) == 0:
-        out_dir = Path(out_dir)
         tmp = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        config = model.config
-        config.architectures = [_hf_class_name(model)]
-        config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if config.get_text_config().tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, tmp)
-        publish_dir(tmp, out_dir)
-    dist.barrier(group=group)
+        try:
+            _write_hf_dir(model, tokenizer, state, tmp)
+            publish_dir(tmp, out_dir)
+        except (OSError, SafetensorError) as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = str(err)
+    errors = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    if errors[0] is not None:
+        raise ForgeError(f"export error: writing {out_dir} failed: {errors[0]}")
+
+
+def _write_hf_dir(model: nn.Module, tokenizer, state: dict[str, torch.Tensor], tmp: Path) -> None:
+    from huggingface_hub import save_torch_state_dict
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = model.config
+    config.architectures = [_hf_class_name(model)]
+    config.save_pretrained(tmp)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if config.get_text_config().tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, tmp)
 
 
 def _hf_class_name(model: nn.Module) -> str:

@@ -1,6 +1,7 @@
 """Checkpoints that prove themselves: a damaged checkpoint (truncated, deleted or flipped shard) is named in one
 line and resume falls back past it; a write over the file-size limit ends the run with one line and leaves the
-previous checkpoint loadable. Unit tests in one process (a gloo world of 1), then the tiny SFT job on 2 ranks."""
+previous checkpoint loadable; so does a failed export, and running again exports. Unit tests in one process (a gloo
+world of 1), then the tiny SFT job on 2 ranks."""
 
 import os
 import re
@@ -12,12 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 
 from conftest import (REPO, assert_clean_error, assert_same_curve, read_metrics, run_script, script_command,
                       script_env, tiny_sft_args)
 from forge_core.ckpt import MANIFEST, CheckpointConfig, Checkpointer, verify_checkpoint
 from forge_core.config import ForgeError
+from forge_core.model import export_hf
 
 SFT_STEPS = 4                    # a checkpoint after every one, all kept
 ARGS = ["--train.steps", str(SFT_STEPS), "--train.batch_size", "8", "--train.micro_batch_size", "4",
@@ -113,6 +116,24 @@ def test_a_write_over_the_file_size_limit_is_one_error_and_changes_nothing(one_r
     assert verify_checkpoint(first) is None and ckpt.resume_path() == first
 
 
+def test_an_export_over_the_file_size_limit_is_one_error_and_keeps_the_earlier_export(one_rank, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))   # ~200 KiB of weights
+    out = tmp_path / "hf"
+    export_hf(model, None, out)
+    exported = {f.name: f.read_bytes() for f in out.iterdir()}
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, limits[1]))
+    try:
+        with pytest.raises(ForgeError) as err:
+            export_hf(model, None, out)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert str(err.value).startswith(f"export error: writing {out} failed: ") and "File too large" in str(err.value)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == exported and not (tmp_path / "hf.tmp").exists()
+
+
 # ---- the tiny SFT job, 2 ranks ----
 
 @pytest.fixture(scope="module")
@@ -164,3 +185,19 @@ def test_sft_checkpoint_write_over_the_file_size_limit_fails_cleanly_and_the_run
     resumed = run_script("train_sft.py", tiny_sft_args(tiny, tmp_path, *ARGS), nproc=2)
     assert f"resumed from {checkpoints / 'step_000002'}" in resumed.stdout
     assert_resumed_curve(tmp_path, straight, 3)
+
+
+def test_sft_export_that_fails_is_one_line_and_running_again_exports(tiny, straight, tmp_path):
+    """The finished run's last checkpoint, an export directory that cannot be made: one line on a clean exit;
+    run again with a good one, it resumes at the last step and exports the straight run's weights."""
+    checkpoints = checkpoints_of(straight, tmp_path, range(SFT_STEPS, SFT_STEPS + 1))
+    blocked = tmp_path / "a_file" / "hf"
+    blocked.parent.write_text("")
+    proc = run_script("train_sft.py", tiny_sft_args(tiny, tmp_path, *ARGS, "--export_dir", str(blocked)), nproc=2,
+                      check=False)
+    assert_clean_error(proc, "train_sft.py", f"export error: writing {blocked} failed: [Errno 20] Not a directory")
+    again = run_script("train_sft.py", tiny_sft_args(tiny, tmp_path, *ARGS), nproc=2)
+    assert f"resumed from {checkpoints / f'step_{SFT_STEPS:06d}'}" in again.stdout
+    assert f"exported {tmp_path / 'hf'}" in again.stdout
+    ours, straight_run = (load_file(d / "hf" / "model.safetensors") for d in (tmp_path, straight))
+    assert ours.keys() == straight_run.keys() and all(torch.equal(ours[k], straight_run[k]) for k in ours)
