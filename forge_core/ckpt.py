@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from .config import ForgeError
 
-__all__ = ["CheckpointConfig", "Checkpointer", "publish_dir", "verify_checkpoint", "MANIFEST"]
+__all__ = ["CheckpointConfig", "Checkpointer", "first_on_any_rank", "publish_dir", "verify_checkpoint", "MANIFEST"]
 
 MANIFEST = "manifest.json"
 
@@ -130,20 +130,19 @@ class Checkpointer:
 
     def _settle(self, final: Path, tmp: Path, error: str | None) -> None:
         """Every rank learns whether any rank's write failed; if one did, all raise the same ForgeError."""
-        errors = [e for e in self._all_gather(error) if e is not None]
-        if not errors:
+        error = first_on_any_rank(error, self.group)
+        if error is None:
             return
         if self.group_rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier(group=self.group)    # torchrun stops every worker once one exits: clean up first
         older = [p.name for p in _step_dirs(self.root) if p.name < final.name and (p / MANIFEST).is_file()]
         kept = f"the previous checkpoint {older[-1]} is untouched" if older else "there is no earlier checkpoint"
-        raise ForgeError(f"checkpoint error: writing {final.name} failed {errors[0]}; {kept}")
+        raise ForgeError(f"checkpoint error: writing {final.name} failed {error}; {kept}")
 
     def _verify(self, path: Path) -> str | None:
         """`verify_checkpoint` with the reading split over the ranks; the first problem found, on every rank."""
-        problems = self._all_gather(verify_checkpoint(path, self.group_rank, self.group_size))
-        return next((p for p in problems if p is not None), None)
+        return first_on_any_rank(verify_checkpoint(path, self.group_rank, self.group_size), self.group)
 
     def _prune(self, newest: Path) -> None:
         for stale in self.root.glob("step_*.tmp"):
@@ -157,6 +156,13 @@ class Checkpointer:
         out = [None] * self.group_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+def first_on_any_rank(message: str | None, group: dist.ProcessGroup | None) -> str | None:
+    """The lowest rank's message that is not None, on every rank of `group` (collective); None if no rank had one."""
+    messages = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, message, group=group)
+    return next((m for m in messages if m is not None), None)
 
 
 def verify_checkpoint(path: Path, share: int = 0, shares: int = 1) -> str | None:

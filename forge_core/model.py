@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from .ckpt import publish_dir
+from .ckpt import first_on_any_rank, publish_dir
 from .config import ForgeError
 
 __all__ = ["ModelConfig", "FSDPConfig", "load_model", "load_tokenizer", "shard", "linear_kernel", "cpu_has_bf16",
@@ -235,10 +235,8 @@ def export_hf(model: nn.Module, tokenizer, out_dir: str | Path, group: dist.Proc
         except (OSError, SafetensorError) as err:
             shutil.rmtree(tmp, ignore_errors=True)
             error = str(err)
-    errors = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    if errors[0] is not None:
-        raise ForgeError(f"export error: writing {out_dir} failed: {errors[0]}")
+    if (error := first_on_any_rank(error, group)) is not None:
+        raise ForgeError(f"export error: writing {out_dir} failed: {error}")
 
 
 def _write_hf_dir(model: nn.Module, tokenizer, state: dict[str, torch.Tensor], tmp: Path) -> None:
