@@ -2,23 +2,25 @@
 so generation, training and weight sync share one process and one device; `generate` samples a `Rollout`.
 """
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
 from typing import Annotated
 
+import numpy as np
 import torch
 from annotated_types import Interval
 from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt
 from torch import Tensor
 
 from .config import ForgeError
-from .model import bf16_chosen
+from .model import bf16_chosen, cpu_has_bf16
 from .rollout import Rollout, pad_left, pad_right
 
 __all__ = ["EngineConfig", "SamplingConfig", "build_engine", "cpu_engine_setup", "eager_everywhere",
            "inverse_cdf_sampling", "join_engine_groups", "close_engines", "check_kv_cache", "engine_dtype",
-           "norm_kernels", "generate", "sampling_params", "sampled_logprobs"]
+           "norm_kernels", "generate", "seeded_draws", "sampling_params", "sampled_logprobs"]
 
 Share = Annotated[float, Interval(gt=0, le=1)]
 
@@ -165,13 +167,16 @@ def norm_kernels() -> dict:
     as ~10 eager torch ops: 55 us a call against the kernel's 8 (bf16, [32, 576]); decoding is 5-10% faster with
     them (SmolLM2, Xeon). Registered here as a provider of those ops and placed first in the engine's
     `ir_op_priority`; inputs the kernel does not take (strided views such as Qwen3's per-head q/k norms) fall back
-    to vLLM's own."""
+    to vLLM's own, and so does bf16 on CPUs without bf16 instructions, where the kernels truncate to bf16 (on a
+    Zen 3 the fused norm's residual is the sum truncated, not rounded: a bias toward zero at every layer)."""
     if torch.cuda.is_available():
         return {}
     from vllm import _custom_ops, ir  # noqa: F401  (_custom_ops loads the CPU kernels)
+    rounds_to_bf16 = cpu_has_bf16()
 
     def takes(weight: Tensor | None, x: Tensor, *others: Tensor) -> bool:
-        return weight is not None and weight.dtype == x.dtype and all(t.is_contiguous() for t in (x, *others))
+        return weight is not None and weight.dtype == x.dtype and all(t.is_contiguous() for t in (x, *others)) \
+            and (x.dtype != torch.bfloat16 or rounds_to_bf16)
 
     @ir.ops.rms_norm.register_impl("forge_cpu", supports_args=lambda x, weight, epsilon, variance_size=None:
                                    variance_size is None and takes(weight, x))
@@ -195,13 +200,12 @@ def norm_kernels() -> dict:
 def generate(engine, prompts: list[list[int]], row_ids: list[int], cfg: SamplingConfig, pad_id: int,
              seed: int, greedy: bool = False) -> Rollout:
     """G samples per prompt (1 when greedy) with their per-token logprobs, token ids only (callers decode).
-    The engine samples with this process's torch RNG, seeded per call, so a resumed run draws the same
+    The engine draws from this process's RNGs, seeded per call (`seeded_draws`), so a resumed run draws the same
     samples (per-request seeds would make vLLM's sampler loop over requests in Python every step). One
     request per prompt asks for its G samples (`n`): vLLM then prepares each prompt once, not G times."""
     G = 1 if greedy else cfg.num_generations
     params = sampling_params(cfg, greedy, n=G, max_tokens=cfg.max_tokens, detokenize=False)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded_draws(seed):
         outputs = engine.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
     completions, logprobs, truncated = [], [], []
     for sample in (sample for out in outputs for sample in out.outputs):
@@ -214,6 +218,22 @@ def generate(engine, prompts: list[list[int]], row_ids: list[int], cfg: Sampling
     sampler_logprobs, _ = pad_right(logprobs, 0.0, dtype=torch.float32)
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs,
                    torch.tensor(truncated), [r for r in row_ids for _ in range(G)])
+
+
+@contextlib.contextmanager
+def seeded_draws(seed: int):
+    """The engine's draws inside this block follow `seed` alone, whatever ran before (an evaluation, a resume):
+    vLLM's CPU sampler draws from torch's global RNG, and its GPU model runner gives each request without a
+    seed of its own one from numpy's (`np.random.randint` in `add_request`, vLLM 0.26). Both are seeded here
+    and restored after; CUDA's is seeded by `torch.manual_seed` too."""
+    numpy_state = np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            np.random.seed(seed)
+            yield
+    finally:
+        np.random.set_state(numpy_state)
 
 
 def sampling_params(cfg: SamplingConfig, greedy: bool, **fixed):

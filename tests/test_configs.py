@@ -178,22 +178,48 @@ def test_the_cpu_engines_draw_what_vllms_gumbel_max_draws():
     torch.testing.assert_close(sampler(batch.clone(), {}, top5, None)[1][0], p5.log(), atol=1e-6, rtol=0)
 
 
+def test_an_engine_call_draws_by_its_seed_alone():
+    """`seeded_draws`: what runs before a call (an evaluation's requests, a resume's) does not change its draws.
+    vLLM's GPU model runner gives each unseeded request a seed from numpy's global RNG, its CPU sampler draws
+    from torch's; the GPU runner cannot run here, so a stand-in makes its call (vllm/v1/worker/gpu/sample/states.py)."""
+    import numpy as np
+    import torch
+    from forge_core.engine import seeded_draws
+
+    def requests_draw() -> tuple:
+        gpu_request_seed = np.random.randint(np.iinfo(np.int64).min, np.iinfo(np.int64).max)   # the stand-in
+        return gpu_request_seed, torch.rand(3).tolist()
+
+    with seeded_draws(7):
+        first = requests_draw()
+    np.random.rand(5), torch.rand(5)            # other requests in between
+    caller_streams = np.random.get_state()[1].copy(), torch.get_rng_state()
+    with seeded_draws(7):
+        again = requests_draw()
+    assert again == first
+    assert (np.random.get_state()[1] == caller_streams[0]).all()       # the caller's streams go on as before
+    assert torch.equal(torch.get_rng_state(), caller_streams[1])
+
 def test_the_c_norm_kernels_equal_vllms_own():
     """The CPU engines' RMSNorm kernels (`forge_core.engine.norm_kernels`) equal vLLM's native norm, and strided
     inputs are left to the native one."""
     import torch
     from vllm import ir
     from forge_core.engine import norm_kernels
+    from forge_core.model import cpu_has_bf16
     norm_kernels()                                                          # registers them
     torch.manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-7)):     # bf16: one rounding step
         x, residual, weight = (torch.randn(shape, dtype=dtype) * 3 for shape in ((7, 576), (7, 576), (576,)))
         native, forge = (ir.ops.fused_add_rms_norm.impls[p] for p in ("native", "forge_cpu"))
+        norm = ir.ops.rms_norm.impls["forge_cpu"]
+        if dtype == torch.bfloat16 and not cpu_has_bf16():      # the kernels would truncate to bf16: native's
+            assert not norm.supports_args(x, weight, 1e-5) and not forge.supports_args(x, residual, weight, 1e-5)
+            continue
         want, want_residual = native.impl_fn(x, residual, weight, 1e-5)
         got, got_residual = forge.impl_fn(x.clone(), residual.clone(), weight, 1e-5)
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
         torch.testing.assert_close(got_residual, want_residual, atol=0, rtol=0)
-        norm = ir.ops.rms_norm.impls["forge_cpu"]
         torch.testing.assert_close(norm.impl_fn(x, weight, 1e-5),
                                    ir.ops.rms_norm.impls["native"].impl_fn(x, weight, 1e-5), atol=tol, rtol=tol)
         per_head = x.view(7, 9, 64)[:, :4]                                  # a strided view, as Qwen3's q/k norms see
