@@ -524,7 +524,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         if sync is not None:
             metrics |= {"sync/seconds": sync.seconds, "sync/gather_seconds": sync.gather_seconds,
                         "sync/gigabytes": sync.bytes / 1e9}
-        if done == cfg.train.steps or (cfg.train.eval_every and done % cfg.train.eval_every == 0):
+        if done == steps.stop or (cfg.train.eval_every and done % cfg.train.eval_every == 0):
             accuracy_now = evaluate(sample_eval, tokenizer, eval_rows, roles, accuracy, cfg.train.eval_sampled)
             metrics |= accuracy_now
         if done % cfg.train.log_every == 0 or "eval/accuracy" in metrics:

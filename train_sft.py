@@ -134,7 +134,7 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: SFTConfig, d: Dist) -> dic
         nll += token_nll(model, {k: v.to(d.device) for k, v in batch.items()}).item()
     answers = greedy_generate(model, tokenizer, prompts, cfg.train.eval_max_new_tokens, d)
     correct = sum(a.strip() == r.strip() for a, r in zip(answers, responses))
-    sums = reduce_metrics({"nll": nll, "targets": targets, "correct": correct, "rows": len(mine)}, device=d.device)
+    sums = reduce_metrics({"nll": nll, "targets": targets, "correct": correct, "rows": len(mine)})
     model.train()
     return {"eval/loss": sums["nll"] / sums["targets"], "eval/exact_match": sums["correct"] / sums["rows"]}
 
@@ -191,7 +191,7 @@ def main() -> None:
         bad_steps.count(done, grad_norm)
         evaluating = done == cfg.train.steps or (cfg.train.eval_every and done % cfg.train.eval_every == 0)
         if done % cfg.train.log_every == 0 or done == end_step or evaluating:
-            metrics = {"train/loss": reduce_metrics({"loss": loss_sum}, device=d.device)["loss"] / targets,
+            metrics = {"train/loss": reduce_metrics({"loss": loss_sum})["loss"] / targets,
                        "train/lr": lr, "train/grad_norm": grad_norm,
                        "train/tokens_per_s": window_tokens / (time.perf_counter() - window_start),
                        "train/skipped_steps": bad_steps.total, "mem/peak_gb_rank0": peak_memory_gb(d.device)}

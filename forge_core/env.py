@@ -38,7 +38,7 @@ import torch
 
 from .config import ForgeError, import_symbol
 from .data import chat_prompt_ids
-from .engine import SamplingConfig, sampled_logprobs, sampling_params
+from .engine import SamplingConfig, sampled_logprobs, sampling_params, seeded_draws
 from .rollout import Rollout, pad_left, pad_right
 
 __all__ = ["EnvConfig", "END_REASONS", "load_env", "run_episodes"]
@@ -100,8 +100,7 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
             params = [sampling_params(sampling, greedy, n=1, stop=stops, include_stop_str_in_output=True,
                                       max_tokens=min(sampling.max_tokens, cfg.max_episode_tokens - len(e.ids)))
                       for e in running]
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed + turn)
+            with seeded_draws(seed + turn):
                 outputs = engine.generate([{"prompt_token_ids": e.prompt_ids + e.ids} for e in running], params,
                                           use_tqdm=False)
             actions = [_take_turn(e, out.outputs[0], tokenizer, stops) for e, out in zip(running, outputs)]

@@ -58,13 +58,14 @@ class MetricLogger:
         return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
 
-def reduce_metrics(sums: dict[str, float], group: dist.ProcessGroup | None = None,
-                   device: torch.device | str = "cpu") -> dict[str, float]:
-    """Sum every value over `group` (callers divide by counts they also summed): one all-reduce."""
+def reduce_metrics(sums: dict[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Sum every value over `group` (callers divide by counts they also summed): one all-reduce, on the GPU
+    where the group is NCCL's (it has no CPU tensors)."""
     if not sums:
         return {}
     keys = sorted(sums)
-    values = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=device)
+    nccl = dist.is_initialized() and "nccl" in str(dist.get_backend(group))
+    values = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device="cuda" if nccl else "cpu")
     if dist.is_initialized():
         dist.all_reduce(values, group=group)
     return dict(zip(keys, values.tolist()))

@@ -3,6 +3,7 @@ locally (tools/build_tiny.py --arch qwen3): weight sync into vLLM, SFT, GRPO wit
 and export, as configs/{sft,grpo}/tiny_qwen3.yaml run them."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,8 +68,12 @@ def test_qwen3_sft_then_grpo_resumes_and_exports(qwen3, tmp_path):
 
     split = grpo_args(qwen3, model, tmp_path / "split")
     run_script("train_grpo.py", [*split, "--train.stop_at_step", "4"], nproc=1)
-    run_script("train_grpo.py", split, nproc=1)
-    assert_same_curve(read_metrics(tmp_path / "split"), metrics, range(5, STEPS + 1))
+    resumed = run_script("train_grpo.py", split, nproc=1)
+    split_metrics = read_metrics(tmp_path / "split")
+    assert_same_curve(split_metrics, metrics, range(5, STEPS + 1))
+    # the stopped run measured its last step's weights, as the resumed run did at its start
+    resumed_start = re.search(r"held-out accuracy at step 4: ([\d.]+) greedy", resumed.stdout)
+    assert resumed_start and float(resumed_start[1]) == pytest.approx(split_metrics[4]["eval/accuracy"], abs=5e-4)
 
     config = json.loads((tmp_path / "straight" / "hf" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU path's checks on one CUDA GPU, for a machine with PyTorch but no vLLM (no GRPO job runs there):
+# The GPU path's checks on one CUDA GPU that need PyTorch but no vLLM (GRPO with vLLM: tools/gpu_grpo_check.sh):
 #   1. the GRPO trainer's math on the GPU: logprobs and gradients with FlexAttention's block mask = the dense mask's
 #   2. bench/bench_mask.py at the Qwen3-1.7B config's micro-batch (random weights of its shape)
 #   3. the tiny SFT job over CUDA + NCCL with SDPA and with FlexAttention, and a run stopped and resumed
