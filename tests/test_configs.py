@@ -200,6 +200,7 @@ def test_an_engine_call_draws_by_its_seed_alone():
     assert (np.random.get_state()[1] == caller_streams[0]).all()       # the caller's streams go on as before
     assert torch.equal(torch.get_rng_state(), caller_streams[1])
 
+
 def test_the_c_norm_kernels_equal_vllms_own():
     """The CPU engines' RMSNorm kernels (`forge_core.engine.norm_kernels`) equal vLLM's native norm, and strided
     inputs are left to the native one."""
