@@ -1,6 +1,7 @@
 """One core's fp32 GEMM throughput on the linear layers of a model, torch's own (MKL on x86) beside oneDNN's
 (`forge_core.model.onednn_linear`, what `fsdp.linear_kernel: onednn` trains with and the engines multiply by): which one
-this CPU runs faster, and how close the GRPO step's GEMMs can come to the CPU's peak.
+this CPU runs faster, and how close the GRPO step's GEMMs can come to the CPU's peak. Forward alone (what an engine
+runs) and forward + backward (the trainer's three GEMMs per linear: y, the input's and the weight's gradients).
 
     python bench/bench_gemm.py                                   # the tiny model's shapes
     python bench/bench_gemm.py --model artifacts/smollm2-135m --tokens 512
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from forge_core.model import onednn_linear  # noqa: E402
+from forge_core.model import _OneDNNLinearFn, onednn_linear  # noqa: E402
 
 
 def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
@@ -37,6 +38,14 @@ def seconds_per_call(fn, repetitions: int) -> float:
     return (time.perf_counter() - t0) / repetitions
 
 
+def train_step(linear, x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor):
+    """Forward and backward of one linear, as the trainer runs it (both gradients)."""
+    def run():
+        x.grad = w.grad = None
+        linear(x, w).backward(grad)
+    return run
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF model dir; default runs/sft-tiny/hf or artifacts/tiny/init")
@@ -45,17 +54,25 @@ def main() -> None:
     model = args.model or next(str(REPO / d) for d in ("runs/sft-tiny/hf", "artifacts/tiny/init")
                                if (REPO / d / "config.json").exists())
     torch.set_num_threads(1)
-    print(f"fp32 GEMM, 1 thread, {model}; GFLOP/s of x [tokens, in] @ W[out, in]^T\n")
-    print("| linear | tokens | torch (MKL) | oneDNN | oneDNN / torch |\n|---|---:|---:|---:|---:|")
+    print(f"fp32 GEMM, 1 thread, {model}; GFLOP/s of x [tokens, in] @ W[out, in]^T (forward) and of it with both "
+          "gradients (forward + backward, 3x the FLOPs)\n")
+    print("| linear | tokens | forward: torch (MKL) | oneDNN | oneDNN / torch | forward + backward: torch (MKL) | oneDNN "
+          "| oneDNN / torch |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, (out, inp) in linear_shapes(json.loads(Path(model, "config.json").read_text())).items():
         for n in args.tokens:
-            x, w = torch.randn(n, inp), torch.randn(out, inp)
-            repetitions = max(3, int(2e9 / (2 * n * out * inp)))          # about 2 GFLOP per contender
-            mkl = seconds_per_call(lambda: F.linear(x, w), repetitions)
-            dnn = seconds_per_call(lambda: onednn_linear(x, w, None), repetitions)
+            x, w = torch.randn(n, inp, requires_grad=True), torch.randn(out, inp, requires_grad=True)
+            grad = torch.randn(n, out)
             gflop = 2 * n * out * inp / 1e9
-            print(f"| {name} {out}x{inp} | {n} | {gflop / mkl:.1f} | {gflop / dnn:.1f} | {mkl / dnn:.2f} |")
-
+            repetitions = max(3, int(2 / gflop))                                # about 2 GFLOP per contender
+            with torch.no_grad():
+                mkl = seconds_per_call(lambda: F.linear(x, w), repetitions)
+                dnn = seconds_per_call(lambda: onednn_linear(x, w, None), repetitions)
+            train_repetitions = max(3, repetitions // 3)
+            mkl_train = seconds_per_call(train_step(F.linear, x, w, grad), train_repetitions)
+            dnn_train = seconds_per_call(train_step(lambda a, b: _OneDNNLinearFn.apply(a, b, None), x, w, grad),
+                                         train_repetitions)
+            print(f"| {name} {out}x{inp} | {n} | {gflop / mkl:.1f} | {gflop / dnn:.1f} | {mkl / dnn:.2f} | "
+                  f"{3 * gflop / mkl_train:.1f} | {3 * gflop / dnn_train:.1f} | {mkl_train / dnn_train:.2f} |")
 
 if __name__ == "__main__":
     main()

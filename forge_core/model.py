@@ -131,18 +131,22 @@ def _cpuinfo() -> str:
 
 
 def linear_kernel(cfg: FSDPConfig) -> str:
-    """The CPU GEMM kernel `cfg.linear_kernel` names; auto decides by the CPU's vendor, so every run on a
-    machine (a resumed one too) multiplies the same way."""
+    """The CPU GEMM kernel `cfg.linear_kernel` names; auto decides by the CPU (oneDNN on AMD with AVX-512, where
+    MKL keeps to its AVX2 code; torch's MKL elsewhere), so every run on a machine (a resumed one too) multiplies
+    the same way."""
     if cfg.linear_kernel != "auto":
         return cfg.linear_kernel
-    return "onednn" if "AuthenticAMD" in _cpuinfo() else "torch"
+    return "onednn" if "AuthenticAMD" in _cpuinfo() and "avx512f" in _cpu_flags() else "torch"
+
+
+def _cpu_flags() -> set[str]:
+    return set(next((line.split(":", 1)[1].split() for line in _cpuinfo().splitlines()
+                     if line.startswith("flags")), []))
 
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes in bf16 (AMX or AVX512-BF16 dot products); others convert to fp32 in software."""
-    flags = set(next((line.split(":", 1)[1].split() for line in _cpuinfo().splitlines()
-                      if line.startswith("flags")), []))
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    return bool(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 def bf16_chosen(setting: str, on_gpu: bool) -> bool:
@@ -154,7 +158,8 @@ def bf16_chosen(setting: str, on_gpu: bool) -> bool:
 
 class _OneDNNLinearFn(torch.autograd.Function):
     """y = x W^T + b with forward and backward GEMMs in oneDNN. torch's fp32 CPU matmul goes to MKL, which
-    takes its AVX2 path on AMD processors; oneDNN uses AVX-512 there (measured 2.3x on this Zen 5)."""
+    takes its AVX2 path on AMD processors; oneDNN uses AVX-512 there (measured 2.3x on a Zen 5). On AVX2-only
+    CPUs MKL is the faster (a Zen 3's GRPO train phase: 1.5x)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -60,7 +60,7 @@ run_main(main)  # leaves as the scripts do: the interpreter's teardown can abort
 
 
 def test_linear_kernels_give_the_same_losses(tiny, tmp_path):
-    """fsdp.linear_kernel picks the CPU GEMMs (auto: by the CPU's vendor); oneDNN and torch's train alike."""
+    """fsdp.linear_kernel picks the CPU GEMMs (auto: by the CPU, test_model.py); oneDNN and torch's train alike."""
     runs = {}
     for kernel in ("onednn", "torch"):
         proc = run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / kernel, *SHORT, "--fsdp.linear_kernel", kernel),
