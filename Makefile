@@ -75,10 +75,11 @@ artifacts/gsm8k_style/train.jsonl: tools/make_gsm8k_style.py | setup
 run-smol: setup artifacts/smollm2-135m/converted.json artifacts/gsm8k_style/train.jsonl
 	$(call sft_then_grpo,configs/sft/smollm2_gsm8k_style.yaml,configs/grpo/smollm2_gsm8k_style.yaml,2)
 
-# Two test files at a time (whole files, so that a module's fixtures are built once): a test's ranks spend much
-# of their time importing and starting engines, one at a time, which leaves the cores idle
+# Two test files at a time (whole files, so that a module's fixtures are built once), the longest first
+# (tests/conftest.py): a test's ranks spend much of their time importing and starting engines, one at a time,
+# which leaves the cores idle
 test: setup
-	$(BIN)/python -m pytest -q tests -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q tests -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: setup artifacts/tiny/init/config.json
 	$(BIN)/pip install -q -e ".[bench]"
