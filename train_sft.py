@@ -189,7 +189,7 @@ def main() -> None:
         window_tokens += sum(len(ids) for ids, _ in batch)
         done = step + 1
         bad_steps.count(done, grad_norm)
-        evaluating = done == cfg.train.steps or (cfg.train.eval_every and done % cfg.train.eval_every == 0)
+        evaluating = done == end_step or (cfg.train.eval_every and done % cfg.train.eval_every == 0)
         if done % cfg.train.log_every == 0 or done == end_step or evaluating:
             metrics = {"train/loss": reduce_metrics({"loss": loss_sum})["loss"] / targets,
                        "train/lr": lr, "train/grad_norm": grad_norm,

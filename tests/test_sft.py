@@ -83,6 +83,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny, tmp_path):
         for key in ("train/loss", "train/lr", "train/grad_norm"):
             assert split[step][key] == pytest.approx(straight[step][key], rel=1e-6, abs=1e-7), (step, key)
     assert split[8]["eval/loss"] == pytest.approx(straight[8]["eval/loss"], rel=1e-6)
+    assert "eval/loss" in split[4] and "eval/loss" not in straight[4], "a stopped run evaluates at its last step"
 
 
 def test_packing_gives_the_same_loss(tiny, tmp_path):
