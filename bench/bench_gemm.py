@@ -56,8 +56,8 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"fp32 GEMM, 1 thread, {model}; GFLOP/s of x [tokens, in] @ W[out, in]^T (forward) and of it with both "
           "gradients (forward + backward, 3x the FLOPs)\n")
-    print("| linear | tokens | forward: torch (MKL) | oneDNN | oneDNN / torch | forward + backward: torch (MKL) | oneDNN "
-          "| oneDNN / torch |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| linear | tokens | forward: torch (MKL) | oneDNN | oneDNN / torch "
+          "| forward + backward: torch (MKL) | oneDNN | oneDNN / torch |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, (out, inp) in linear_shapes(json.loads(Path(model, "config.json").read_text())).items():
         for n in args.tokens:
             x, w = torch.randn(n, inp, requires_grad=True), torch.randn(out, inp, requires_grad=True)
