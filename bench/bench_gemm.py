@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from forge_core.model import _OneDNNLinearFn, onednn_linear  # noqa: E402
+from forge_core.model import onednn_linear, use_onednn_linears  # noqa: E402
 
 
 def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
@@ -38,11 +39,11 @@ def seconds_per_call(fn, repetitions: int) -> float:
     return (time.perf_counter() - t0) / repetitions
 
 
-def train_step(linear, x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor):
+def train_step(linear: nn.Linear, x: torch.Tensor, grad: torch.Tensor):
     """Forward and backward of one linear, as the trainer runs it (both gradients)."""
     def run():
-        x.grad = w.grad = None
-        linear(x, w).backward(grad)
+        x.grad = linear.weight.grad = None
+        linear(x).backward(grad)
     return run
 
 
@@ -60,19 +61,21 @@ def main() -> None:
           "| forward + backward: torch (MKL) | oneDNN | oneDNN / torch |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, (out, inp) in linear_shapes(json.loads(Path(model, "config.json").read_text())).items():
         for n in args.tokens:
-            x, w = torch.randn(n, inp, requires_grad=True), torch.randn(out, inp, requires_grad=True)
+            x, w = torch.randn(n, inp, requires_grad=True), torch.randn(out, inp)
             grad = torch.randn(n, out)
             gflop = 2 * n * out * inp / 1e9
             repetitions = max(3, int(2 / gflop))                                # about 2 GFLOP per contender
             with torch.no_grad():
                 mkl = seconds_per_call(lambda: F.linear(x, w), repetitions)
                 dnn = seconds_per_call(lambda: onednn_linear(x, w, None), repetitions)
+            torch_linear, dnn_linear = (nn.Linear(inp, out, bias=False) for _ in range(2))
+            use_onednn_linears(dnn_linear)                                      # the trainer's swap
             train_repetitions = max(3, repetitions // 3)
-            mkl_train = seconds_per_call(train_step(F.linear, x, w, grad), train_repetitions)
-            dnn_train = seconds_per_call(train_step(lambda a, b: _OneDNNLinearFn.apply(a, b, None), x, w, grad),
-                                         train_repetitions)
+            mkl_train = seconds_per_call(train_step(torch_linear, x, grad), train_repetitions)
+            dnn_train = seconds_per_call(train_step(dnn_linear, x, grad), train_repetitions)
             print(f"| {name} {out}x{inp} | {n} | {gflop / mkl:.1f} | {gflop / dnn:.1f} | {mkl / dnn:.2f} | "
                   f"{3 * gflop / mkl_train:.1f} | {3 * gflop / dnn_train:.1f} | {mkl_train / dnn_train:.2f} |")
+
 
 if __name__ == "__main__":
     main()
