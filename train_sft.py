@@ -16,8 +16,8 @@ from pydantic import NonNegativeInt, PositiveInt
 
 from forge_core.ckpt import CheckpointConfig, Checkpointer
 from forge_core.config import ForgeError, config_to_dict, load_config
-from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, encode_sft, read_rows,
-                             require_fields, sample_indices)
+from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, encode_sft, micro_batches,
+                             read_rows, require_fields, sample_indices)
 from forge_core.dist import Dist, DistConfig, close_dist, init_dist, run_main, set_phase
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
@@ -30,7 +30,7 @@ from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_s
 class TrainConfig:
     steps: PositiveInt = 600
     batch_size: PositiveInt = 64        # sequences per optimizer step, over all ranks
-    micro_batch_size: PositiveInt = 32  # sequences per forward on one rank; accumulation makes up the rest
+    micro_batch_size: PositiveInt = 32  # sequences per forward on one rank (more if short); accumulation does the rest
     seed: int = 0
     log_every: PositiveInt = 10
     eval_every: NonNegativeInt = 200    # held-out loss + greedy exact match; 0 = only at the end
@@ -101,16 +101,16 @@ def count_targets(examples: list[Example]) -> int:
     return sum(sum(label != IGNORE for label in labels[1:]) for _, labels in examples)
 
 
-def train_step(model, examples: list[Example], global_targets: int, cfg: SFTConfig, d: Dist, pad_id: int) -> float:
-    """Forward/backward over this rank's micro-batches; the loss is normalised by the *global* number of
+def train_step(model, mine: list[list[Example]], global_targets: int, cfg: SFTConfig, d: Dist, pad_id: int
+               ) -> float:
+    """Forward/backward over this rank's micro-batches (`mine`); the loss is normalised by the *global* number of
     response tokens so that N ranks compute exactly what one process would (FSDP averages over ranks).
     Returns this rank's summed NLL. Every rank counts the global batch's targets itself, so the gradient
     all-reduce is the step's only point where the ranks wait for each other."""
-    micro_batches = [collate_sft(examples[i:i + cfg.train.micro_batch_size], pad_id, cfg.data.pack,
-                                 cfg.data.max_length) for i in range(0, len(examples), cfg.train.micro_batch_size)]
     loss_sum = 0.0
-    for i, mb in enumerate(micro_batches):
-        set_gradient_sync(model, i == len(micro_batches) - 1)
+    for i, examples in enumerate(mine):
+        set_gradient_sync(model, i == len(mine) - 1)
+        mb = collate_sft(examples, pad_id, cfg.data.pack, cfg.data.max_length)
         nll = token_nll(model, {k: v.to(d.device) for k, v in mb.items()})
         (nll * d.world_size / global_targets).backward()
         loss_sum += nll.item()
@@ -126,9 +126,10 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: SFTConfig, d: Dist) -> dic
     mine = rows[d.rank::d.world_size]
     prompts, responses = [r[cfg.data.prompt_field] for r in mine], [r[cfg.data.response_field] for r in mine]
     nll, targets = 0.0, 0
-    for i in range(0, len(mine), cfg.train.micro_batch_size):
+    size = cfg.train.micro_batch_size
+    for i in range(0, len(mine), size):
         examples = [encode_sft(tokenizer, p, r, cfg.data.max_length)[:2]
-                    for p, r in zip(prompts[i:i + cfg.train.micro_batch_size], responses[i:i + cfg.train.micro_batch_size])]
+                    for p, r in zip(prompts[i:i + size], responses[i:i + size])]
         batch = collate_sft(examples, tokenizer.pad_token_id, pack=False, max_length=cfg.data.max_length)
         targets += int((batch["labels"][:, 1:] != IGNORE).sum())
         nll += token_nll(model, {k: v.to(d.device) for k, v in batch.items()}).item()
@@ -183,7 +184,8 @@ def main() -> None:
         set_phase("train")
         batch = [examples[i] for i in sample_indices(step, cfg.train.batch_size, len(examples), cfg.train.seed)]
         targets = count_targets(batch)
-        loss_sum = train_step(model, batch[d.rank::d.world_size], targets, cfg, d, tokenizer.pad_token_id)
+        mine = micro_batches([len(ids) for ids, _ in batch], d.world_size, accum, cfg.data.pack)[d.rank]
+        loss_sum = train_step(model, [[batch[i] for i in mb] for mb in mine], targets, cfg, d, tokenizer.pad_token_id)
         lr = sched.get_last_lr()[0]
         grad_norm = optimizer_step(model, optim, sched, cfg.optim.max_grad_norm)   # skips a non-finite update
         window_tokens += sum(len(ids) for ids, _ in batch)

@@ -15,7 +15,7 @@ from pydantic import PositiveInt
 from .config import ForgeError
 
 __all__ = ["DataConfig", "read_rows", "require_fields", "chat_prompt_ids", "encode_sft", "sample_indices",
-           "collate_sft", "addition_rows", "multiplication_rows", "guess_rows", "careless", "IGNORE"]
+           "micro_batches", "collate_sft", "addition_rows", "multiplication_rows", "guess_rows", "careless", "IGNORE"]
 
 IGNORE = -100   # label of a token that is not trained on (prompt, padding)
 
@@ -106,6 +106,55 @@ def sample_indices(step: int, batch_size: int, num_rows: int, seed: int) -> list
         perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
         out.extend(perm[offset:offset + batch_size - len(out)])
     return out
+
+
+def micro_batches(lengths: list[int], ranks: int, per_rank: int, pack: bool) -> list[list[list[int]]]:
+    """A global batch's examples (their token counts) dealt as `per_rank` micro-batches of indices to each of
+    `ranks` ranks, so that the slowest rank computes the fewest padded tokens. Padded rows: sorted by length and
+    cut into runs whose largest cost (rows x longest row) is as small as it can be, so that a run of short
+    examples takes more of them than one of long ones. Packed: each example, longest first, to the micro-batch
+    with the fewest tokens. Then the costliest micro-batch goes to the rank with the least work so far. The loss
+    is normalised by the global batch's targets, so how examples are dealt changes only the order of a sum."""
+    count, order = ranks * per_rank, sorted(range(len(lengths)), key=lambda i: -lengths[i])
+
+    def cost(batch: list[int]) -> int:
+        return sum(lengths[i] for i in batch) if pack else len(batch) * max(lengths[i] for i in batch)
+
+    if pack:
+        batches: list[list[int]] = [[] for _ in range(count)]
+        for i in order:
+            min(batches, key=cost).append(i)
+    else:
+        batches = [order[run.start:run.stop] for run in _cheapest_runs([lengths[i] for i in order], count)]
+    dealt: list[list[list[int]]] = [[] for _ in range(ranks)]
+    for batch in sorted(batches, key=cost, reverse=True):
+        rank = min((r for r in range(ranks) if len(dealt[r]) < per_rank), key=lambda r: sum(map(cost, dealt[r])))
+        dealt[rank].append(batch)
+    return dealt
+
+
+def _cheapest_runs(sizes: list[int], count: int) -> list[range]:
+    """`count` consecutive runs of `sizes` (descending, at least `count` of them) whose largest cost, rows x the
+    run's first size, is smallest: a binary search on that cost, each candidate cut greedily; then runs split in
+    two until there are `count` (a split costs nothing)."""
+    def greedy(cap: int) -> list[range]:
+        runs, start = [], 0
+        while start < len(sizes):
+            end = start + max(1, cap // sizes[start])
+            runs.append(range(start, min(end, len(sizes))))
+            start = runs[-1].stop
+        return runs
+
+    low, high = sizes[0], len(sizes) * sizes[0]
+    while low < high:
+        cap = (low + high) // 2
+        low, high = (low, cap) if len(greedy(cap)) <= count else (cap + 1, high)
+    runs = greedy(low)
+    while len(runs) < count:
+        i = max((i for i, run in enumerate(runs) if len(run) > 1), key=lambda i: len(runs[i]) * sizes[runs[i].start])
+        middle = runs[i].start + len(runs[i]) // 2
+        runs[i:i + 1] = [range(runs[i].start, middle), range(middle, runs[i].stop)]
+    return runs
 
 
 def collate_sft(examples: list[tuple[list[int], list[int]]], pad_id: int, pack: bool,
