@@ -4,9 +4,11 @@ Hugging Face `transformers.Trainer` doing the same work, as a markdown table for
     python bench/bench_sft.py                       # about 4 minutes on 2 CPU cores (Xeon model 207)
     python bench/bench_sft.py --steps 100 --repeats 3
 
-Same work on every side: the model of `configs/sft/tiny.yaml` in fp32, the same examples in the same order
+Same work on every side: the model of `configs/sft/tiny.yaml` in fp32, the same examples in the same steps
 (`forge_core.data` encodes, samples and pads them), the config's sequences per step and micro-batches,
-our AdamW and warm-up + cosine schedule, clipping at max_grad_norm, no activation checkpointing.
+our AdamW and warm-up + cosine schedule, clipping at max_grad_norm, no activation checkpointing. The Trainer
+takes each step's sequences in order, micro-batch by micro-batch, as it comes; train_sft.py deals them over its
+ranks and micro-batches by length (`forge_core.data.micro_batches`: less padding, the same gradient).
 tokens/s counts every non-pad input token of a global batch over the wall time of its steps: per step for the
 Trainer, per window of LOG_EVERY steps for ours (what train_sft.py logs: its loss is summed over ranks only on
 the steps it logs); a contender's figure is the median over the timed steps or windows (the first
