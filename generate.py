@@ -61,7 +61,8 @@ def batch(engine, tokenizer, cfg: GenerateConfig, is_rank0: bool) -> None:
     rows = read_rows(cfg.prompts, cfg.split, cfg.subset)[:cfg.limit]
     require_fields(rows, [cfg.prompt_field], cfg.prompts)
     conversations = [opening(cfg) + [{"role": "user", "content": row[cfg.prompt_field]}] for row in rows]
-    results = [{**row, "completions": texts} for row, texts in zip(rows, complete(engine, tokenizer, conversations, cfg))]
+    completions = complete(engine, tokenizer, conversations, cfg)
+    results = [{**row, "completions": texts} for row, texts in zip(rows, completions)]
     if not is_rank0:
         return
     lines = "".join(json.dumps(r) + "\n" for r in results)

@@ -425,8 +425,8 @@ def describe_accuracy(start: dict[str, float], end: dict[str, float], cfg: GRPOC
     line = (f"held-out accuracy: greedy {start['eval/accuracy']:.3f} -> {end['eval/accuracy']:.3f} "
             f"({rows} rows, s.e. {stderr:.3f}){sampled} (step {steps.start} -> {steps.stop})")
     if "eval/tool_use" in start:
-        line += (f"\ntool use: {start['eval/tool_use']:.2f} -> {end['eval/tool_use']:.2f} of episodes, turns per episode "
-                 f"{start['eval/turns']:.2f} -> {end['eval/turns']:.2f} (held-out, greedy)")
+        line += (f"\ntool use: {start['eval/tool_use']:.2f} -> {end['eval/tool_use']:.2f} of episodes, "
+                 f"turns per episode {start['eval/turns']:.2f} -> {end['eval/turns']:.2f} (held-out, greedy)")
     return line
 
 
@@ -442,7 +442,8 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
     for step in steps:
         t0 = time.perf_counter()
         set_phase("generate")
-        index = sample_indices(step, cfg.train.prompts_per_step, num_rows, cfg.train.seed)[me * per_rank:(me + 1) * per_rank]
+        drawn = sample_indices(step, cfg.train.prompts_per_step, num_rows, cfg.train.seed)
+        index = drawn[me * per_rank:(me + 1) * per_rank]
         rollout = sample(index, seed=cfg.train.seed + step * 1_000 + roles.rank)
         rollout = balanced_share(exchange(rollout, roles.groups["policy"]), me, G, cfg.train.micro_batch_size,
                                  per_rank * G // cfg.train.mini_batches)
@@ -571,9 +572,11 @@ def check_config(cfg: GRPOConfig, world_size: int, ranks_per_node: int) -> None:
     if cfg.env.name is None and not names:
         raise ForgeError("config error: rewards.functions is empty and there is no env.name: nothing gives rewards")
     if cfg.rewards.accuracy not in (None, "env", *names):
-        raise ForgeError(f"config error: rewards.accuracy '{cfg.rewards.accuracy}' is none of rewards.functions {names}")
+        raise ForgeError(f"config error: rewards.accuracy '{cfg.rewards.accuracy}' is none of rewards.functions "
+                         f"{names}")
     if cfg.sampling.temperature == 0:
-        raise ForgeError("config error: sampling.temperature must be > 0 for GRPO (the logprobs are of T-scaled logits)")
+        raise ForgeError("config error: sampling.temperature must be > 0 for GRPO "
+                         "(the logprobs are of T-scaled logits)")
     if cfg.sampling.num_generations < 2:
         raise ForgeError("config error: sampling.num_generations must be >= 2 (advantages compare a group)")
     check_kv_cache(cfg.engine, min(P, ranks_per_node) // tp)

@@ -13,8 +13,8 @@ One contender at a time, OMP_NUM_THREADS=1; figures are medians over the steps a
 - the machine's limit for the step's necessary work, from one core's measured rates (each policy rank has a
   core): generation is the larger of its FLOPs (2 x the model's matmul parameters per token: every prompt once,
   as prefix caching prefills it, and every completion token) at the best GEMM rate of torch's and oneDNN's
-  kernels on the model's linears in the trainer's precision, and one read of the engine's weights per decode step (the mean
-  completion length; the batch's longest is more) at one core's read bandwidth; training is 3x generation's
+  kernels on the model's linears in the trainer's precision, and one read of the engine's weights per decode step
+  (the mean completion length; the batch's longest is more) at one core's read bandwidth; training is 3x generation's
   FLOPs (forward and backward over each group's packed row).
 - generation peer: a plain-process vLLM engine (our engine's dtype, eager) on the same per-step chat prompts,
   one request of n=G samples each, same max_tokens, KV block size, max_num_seqs, T=1, logprobs=0, token ids only

@@ -150,7 +150,8 @@ def role_ranks(layout: Layout, world_size: int) -> tuple[list[int], list[int], l
         raise ForgeError(f"config error: layout policy={layout.policy} reference={layout.reference} "
                          f"reward={layout.reward} needs {needed} ranks; torchrun started {world_size}")
     ranks = list(range(needed))
-    return ranks[:layout.policy], ranks[layout.policy:layout.policy + layout.reference], ranks[layout.policy + layout.reference:]
+    reference_end = layout.policy + layout.reference
+    return ranks[:layout.policy], ranks[layout.policy:reference_end], ranks[reference_end:]
 
 
 def init_roles(layout: Layout, cfg: DistConfig = DistConfig(), reference_scores: bool = True) -> Roles:

@@ -30,12 +30,12 @@ TOOL_TAGS = ["<calc>", "</calc>", "<result>", "</result>"]
 class BuildConfig:
     out: Path = Path("artifacts/tiny")
     task: Literal["addition", "calculator", "guess"] = "addition"
-    arch: Literal["llama", "qwen3"] = "llama"   # qwen3: grouped-query attention and q/k norms, as the GPU configs' models
+    arch: Literal["llama", "qwen3"] = "llama"   # qwen3: grouped-query attention and q/k norms (the GPU configs')
     digits: int = 2                     # operands below 10**digits: learnable from scratch in about a minute
     train_rows: int = 5000
     eval_rows: int = 500
-    label_noise: float = 0.7            # addition: share of SFT responses with a slip in the last digit (GRPO unlearns it)
-    tool_share: float = 0.2             # calculator: share of SFT responses that call the calculator (GRPO learns it pays)
+    label_noise: float = 0.7            # addition: share of SFT responses slipping in the last digit (GRPO unlearns it)
+    tool_share: float = 0.2             # calculator: share of SFT responses calling the tool (GRPO learns it pays)
     seed: int = 0
     hidden_size: int = 128
     num_layers: int = 4
