@@ -3,12 +3,14 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 # The suite starts some 300 Python processes on the repository's modules: compile them once, whatever the
@@ -82,13 +84,30 @@ def read_metrics(out_dir: Path) -> dict[int, dict]:
     return by_step
 
 
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> Path:
-    """artifacts of tools/build_tiny.py: init/ (model + tokenizer), data/{train,eval}.jsonl."""
-    out = tmp_path_factory.mktemp("tiny")
-    subprocess.run([sys.executable, str(REPO / "tools" / "build_tiny.py"), "--out", str(out)], check=True,
-                   cwd=REPO, capture_output=True)
+def built_once(tmp_path_factory, worker_id: str, name: str, build) -> Path:
+    """A session artifact that `build(out)` writes once for all xdist workers of this run: the first worker
+    to need it builds it, another one waits for it (each would otherwise build its own: a GRPO run, once per
+    worker)."""
+    if worker_id == "master":                       # no xdist
+        out = tmp_path_factory.mktemp(name)
+        build(out)
+        return out
+    out = tmp_path_factory.getbasetemp().parent / name     # this run's directory, shared by its workers
+    with FileLock(f"{out}.lock"):
+        if not (out / ".built").is_file():
+            shutil.rmtree(out, ignore_errors=True)    # a build that failed half-way
+            out.mkdir()
+            build(out)
+            (out / ".built").touch()
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory, worker_id) -> Path:
+    """artifacts of tools/build_tiny.py: init/ (model + tokenizer), data/{train,eval}.jsonl."""
+    return built_once(tmp_path_factory, worker_id, "tiny", lambda out: subprocess.run(
+        [sys.executable, str(REPO / "tools" / "build_tiny.py"), "--out", str(out)], check=True, cwd=REPO,
+        capture_output=True))
 
 
 def assert_same_curve(run: dict[int, dict], straight: dict[int, dict], steps: range,
@@ -118,12 +137,12 @@ def grpo_args(tiny, out_dir, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def three_role_run(tiny, tmp_path_factory) -> Path:
+def three_role_run(tiny, tmp_path_factory, worker_id) -> Path:
     """The straight 12-step GRPO run (3 ranks) that other runs are compared with."""
-    out = tmp_path_factory.mktemp("grpo_three_roles")
-    proc = run_script("train_grpo.py", grpo_args(tiny, out, "--train.steps", str(STEPS)), nproc=3)
-    (out / "console.log").write_text(proc.stdout)
-    return out
+    def run(out: Path) -> None:
+        proc = run_script("train_grpo.py", grpo_args(tiny, out, "--train.steps", str(STEPS)), nproc=3)
+        (out / "console.log").write_text(proc.stdout)
+    return built_once(tmp_path_factory, worker_id, "grpo_three_roles", run)
 
 
 HELD_OUT_ACCURACY = re.compile(r"held-out accuracy: greedy ([\d.]+) -> ([\d.]+) \(\d+ rows, s.e. [\d.]+\), "

@@ -28,9 +28,9 @@ def test_multi_turn_episodes_train_with_engine_logprob_parity_and_resume(tiny, t
     assert sum(m["episode/end_env_error"] for m in metrics.values()) > 0     # counted; the run went on
     assert {"eval/tool_use", "eval/tool_use_sampled"} <= set(metrics[STEPS])
 
-    args = grpo_args(tiny, resumed, *EPISODE_ARGS)
-    run_script("train_grpo.py", [*args, "--train.stop_at_step", "3"], nproc=3)
-    run_script("train_grpo.py", args, nproc=3)
+    # resumed from the straight run's step-3 checkpoint (a stopped run's: test_grpo_e2e.py resumes one of those)
+    run_script("train_grpo.py", [*grpo_args(tiny, resumed, *EPISODE_ARGS),
+                                 "--ckpt.resume", str(straight / "checkpoints" / "step_000003")], nproc=3)
     assert_same_curve(read_metrics(resumed), metrics, range(4, STEPS + 1),
                       keys=("reward/mean", "loss/entropy", "train/grad_norm", "episode/turns"))
 
