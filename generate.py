@@ -8,6 +8,7 @@
 Chat commands: /reset starts a new conversation, /exit (or Ctrl-D) leaves.
 """
 
+import gc
 import json
 import os
 import sys
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")    # the chat and the printed JSONL stay readable
+if __name__ == "__main__":
+    gc.disable()        # while the imports build what lives as long as the process (dist.freeze_startup_objects)
 
 from forge_core.config import ForgeError, load_config
 from forge_core.data import chat_prompt_ids, read_rows, require_fields

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Literal
 
+if __name__ == "__main__":
+    gc.disable()        # while the imports build what lives as long as the process (dist.freeze_startup_objects)
+
 import torch
 from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from torch import Tensor

@@ -7,9 +7,13 @@ Every rank holds a shard of the model (fully_shard per decoder layer) and takes 
 A run resumes from its latest checkpoint on restart; the final weights are exported as an HF directory.
 """
 
+import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+if __name__ == "__main__":
+    gc.disable()        # while the imports build what lives as long as the process (dist.freeze_startup_objects)
 
 import torch
 from pydantic import NonNegativeInt, PositiveInt
@@ -18,7 +22,7 @@ from forge_core.ckpt import CheckpointConfig, Checkpointer
 from forge_core.config import ForgeError, config_to_dict, load_config
 from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, encode_sft, micro_batches,
                              read_rows, require_fields, sample_indices)
-from forge_core.dist import Dist, DistConfig, close_dist, init_dist, run_main, set_phase
+from forge_core.dist import Dist, DistConfig, close_dist, freeze_startup_objects, init_dist, run_main, set_phase
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, export_hf, linear_kernel, load_model,
@@ -178,6 +182,7 @@ def main() -> None:
               + ("bf16; " if bf16_chosen(cfg.fsdp.mixed_precision, d.mesh.device_type == "cuda") else "fp32; ")
               + (f"resumed from {path}" if start_step else "fresh start"))
 
+    freeze_startup_objects()        # the model, its optimizer and the examples among them
     end_step = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
     window_start, window_tokens = time.perf_counter(), 0        # tokens/s: wall clock since the last log
     for step in range(start_step, end_step):

@@ -10,6 +10,7 @@ other ranks were, and exit code 1, so that torchrun ends the job (and `--max-res
 """
 
 import ctypes
+import gc
 import hashlib
 import os
 import re
@@ -115,6 +116,15 @@ def set_phase(name: str, since: float | None = None) -> None:
     _here.phase, _here.since = name, since or time.time()
     if _here.store is not None:
         _here.store.set(f"phase/{_here.rank}", f"{_here.role}|{name}|{_here.since}")
+
+
+def freeze_startup_objects() -> None:
+    """The end of a script's start-up. The scripts begin with the collector off: importing torch, transformers
+    and vLLM builds ~600k objects that live as long as the process, and collecting while they arrived cost ~3 s
+    a rank (Zen 3). Frozen here, no collection walks them again (vLLM collects some seven times while it builds
+    an engine, 0.6 s a walk); the collector runs again for what comes next."""
+    gc.freeze()
+    gc.enable()
 
 
 def init_dist(cfg: DistConfig = DistConfig()) -> Dist:

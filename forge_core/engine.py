@@ -15,6 +15,7 @@ from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt
 from torch import Tensor
 
 from .config import ForgeError
+from .dist import freeze_startup_objects
 from .model import bf16_chosen, cpu_has_bf16
 from .rollout import Rollout, pad_left, pad_right
 
@@ -53,6 +54,7 @@ def build_engine(model_path: str, cfg: EngineConfig, seed: int):
     """One vLLM engine per group of `tensor_parallel_size` ranks, in this process. Collective: every rank
     of the world must reach this line (ranks without an engine call `join_engine_groups` instead)."""
     from vllm import LLM
+    freeze_startup_objects()
     if not torch.cuda.is_available():
         cpu_engine_setup(cfg.enforce_eager)
     return LLM(**_engine_kwargs(model_path, cfg, seed))
@@ -112,6 +114,7 @@ def join_engine_groups(model_path: str, cfg: EngineConfig, local_rank: int) -> N
     from vllm.distributed.parallel_state import get_world_group
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+    freeze_startup_objects()
     config = EngineArgs(**_engine_kwargs(model_path, cfg, seed=0)).create_engine_config()
     with set_current_vllm_config(config):
         init_worker_distributed_environment(config, rank=int(os.environ["RANK"]), local_rank=local_rank,

@@ -13,6 +13,7 @@ def test_grpo_bench_prints_its_tables(tiny, tmp_path):
     config = yaml.safe_load((REPO / "configs" / "grpo" / "tiny.yaml").read_text())
     config["data"] |= {"path": str(tiny / "data" / "train.jsonl"), "eval_path": str(tiny / "data" / "eval.jsonl"),
                        "eval_rows": 64}
+    config["layout"]["reference"] = 0        # no KL term: the reference rank would only idle
     (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(config))
     proc = run_script("bench/bench_grpo.py", ["--config", str(tmp_path / "grpo.yaml"), "--model", str(tiny / "init"),
                                               "--no_trl", "--steps", "4", "--warmup_steps", "1", "--sync_steps", "4",

@@ -67,7 +67,8 @@ def test_reward_ranks_count_a_raising_function_and_add_a_reward_models_score(tin
     run_script("train_grpo.py", grpo_args(tiny, tmp_path / "out", "--train.steps", "2", "--rewards.functions",
                                           "tests/rewards_for_tests.py:digit_fraction",
                                           "tests/rewards_for_tests.py:flaky", "--rewards.model_path",
-                                          str(tmp_path / "rm"), "--rewards.model_weight", "1.0"), nproc=3)
+                                          str(tmp_path / "rm"), "--rewards.model_weight", "1.0",
+                                          "--layout.reference", "0"), nproc=2)
     metrics = read_metrics(tmp_path / "out")
     assert all(metrics[s]["reward/errors"] > 0 for s in (1, 2))
     assert 0 < metrics[2]["reward/flaky"] < 1
