@@ -22,7 +22,7 @@ if __name__ == "__main__":
 from forge_core.config import ForgeError, load_config
 from forge_core.data import chat_prompt_ids, read_rows, require_fields
 from forge_core.dist import close_dist, exchange, init_dist, run_main
-from forge_core.engine import EngineConfig, SamplingConfig, build_engine, close_engines
+from forge_core.engine import EngineConfig, SamplingConfig, build_engine
 from forge_core.model import ModelConfig, load_tokenizer
 
 
@@ -112,7 +112,6 @@ def main() -> None:
         read_rows(cfg.prompts, cfg.split, cfg.subset)     # a bad path fails before the engine starts
     engine = build_engine(cfg.model.path, cfg.engine, cfg.seed)
     (batch if cfg.prompts is not None else chat)(engine, tokenizer, cfg, d.is_rank0)
-    close_engines(engine)
     close_dist()
 
 

@@ -15,13 +15,6 @@ its process scores 0 and is counted in `reward/timeouts` or `reward/errors`. The
 import logging
 import re
 
-try:    # optional (pip install math-verify). Imported with this file: a reward worker pays it at start-up, not in
-    from math_verify import parse, verify     # its first call, where it would count against rewards.timeout_s
-except ImportError:
-    parse = verify = None
-# math_correct turns math-verify's signal timeout off (see there) and it warns once per worker process about that
-logging.getLogger("math_verify.grader").setLevel(logging.ERROR)
-
 __all__ = ["addition_correct", "gsm8k_correct", "math_correct", "format_no_extra_text", "extract_gsm8k_answer"]
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -53,15 +46,37 @@ def gsm8k_correct(completion: str, row: dict) -> float:
     return float(gold is not None and extract_gsm8k_answer(completion) == gold)
 
 
-def math_correct(completion: str, row: dict) -> float:
-    """Symbolic equivalence with math-verify (pip install math-verify); exact GSM8K match without it."""
-    if verify is None:
+def _math_correct(completion: str, row: dict) -> float:
+    """`math_correct`: symbolic equivalence with math-verify (pip install math-verify); exact GSM8K match
+    without it."""
+    if _math_verify is None:
         return gsm8k_correct(completion, row)
+    parse, verify = _math_verify
     answer = re.sub(r"</?answer>", "", completion)
     gold = str(row["answer"]).split("####")[-1]
     # math-verify's own timeout is a signal, which cannot stop a long C call (`9**9**9**9`); rewards.timeout_s
     # bounds the call instead, by killing its worker
     return float(verify(parse(gold), parse(answer), timeout_seconds=None))
+
+
+_math_verify = None      # (parse, verify), once math_correct is looked up and math-verify is installed
+
+
+def __getattr__(name: str):
+    """`rewards.math_correct`, imported on first use: math-verify (sympy) takes ~1 s of CPU to import, which
+    every process that loads this file (each rank, each reward worker) paid when no config named it. A reward
+    worker looks its functions up as it starts, so the import stays out of calls timed by rewards.timeout_s."""
+    global _math_verify
+    if name != "math_correct":
+        raise AttributeError(f"module 'rewards' has no attribute '{name}'")
+    try:
+        from math_verify import parse, verify
+        _math_verify = parse, verify
+    except ImportError:
+        pass
+    # math_correct turns math-verify's signal timeout off (see there), and it warns once per process about that
+    logging.getLogger("math_verify.grader").setLevel(logging.ERROR)
+    return _math_correct
 
 
 def format_no_extra_text(completion: str, row: dict) -> float:

@@ -29,7 +29,7 @@ from forge_core.config import ForgeError, config_to_dict, load_config
 from forge_core.data import chat_prompt_ids, read_rows, require_fields, sample_indices
 from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, init_roles, release, role_ranks,
                               run_main, set_phase, wait_idle)
-from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check_kv_cache, close_engines, engine_dtype,
+from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check_kv_cache, engine_dtype,
                                generate, join_engine_groups)
 from forge_core.env import EnvConfig, load_env, run_episodes
 from forge_core.logprobs import chosen_logprobs
@@ -632,7 +632,6 @@ def main() -> None:
     else:
         train_policy(cfg, roles, engine, tokenizer, rows, eval_rows, steps, ckpt, policy, optim, sched)
         release(roles.dist, "policy_done")
-    close_engines(engine)                    # None on ranks without an engine
     close_dist()
 
 

@@ -20,7 +20,7 @@ from .model import bf16_chosen, cpu_has_bf16
 from .rollout import Rollout, pad_left, pad_right
 
 __all__ = ["EngineConfig", "SamplingConfig", "build_engine", "cpu_engine_setup", "eager_everywhere",
-           "inverse_cdf_sampling", "join_engine_groups", "close_engines", "check_kv_cache", "engine_dtype",
+           "inverse_cdf_sampling", "join_engine_groups", "check_kv_cache", "engine_dtype",
            "norm_kernels", "generate", "seeded_draws", "sampling_params", "sampled_logprobs"]
 
 Share = Annotated[float, Interval(gt=0, le=1)]
@@ -130,18 +130,6 @@ def check_kv_cache(cfg: EngineConfig, engines_per_node: int) -> None:
     if not torch.cuda.is_available() and cfg.kv_cache_gb * engines_per_node > memory_gb:
         raise ForgeError(f"config error: engine.kv_cache_gb={cfg.kv_cache_gb:g} x {engines_per_node} engine(s) per "
                          f"node is more than this machine's {memory_gb:.0f} GB of memory")
-
-
-def close_engines(engine) -> None:
-    """Every rank, engine or not: tear down vLLM's groups, and with them torch's default group (vLLM
-    destroys it). An engine left to its finalizer would try that after the groups are gone."""
-    import torch.distributed as dist
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-    dist.barrier()
-    if engine is not None:
-        engine.llm_engine.engine_core.shutdown()
-    else:
-        cleanup_dist_env_and_memory()
 
 
 def engine_dtype(setting: str, on_gpu: bool) -> str:
