@@ -138,9 +138,10 @@ def grpo_args(tiny, out_dir, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def three_role_run(tiny, tmp_path_factory, worker_id) -> Path:
-    """The straight 12-step GRPO run (3 ranks) that other runs are compared with."""
+    """The straight 12-step GRPO run (3 ranks, checkpoints at steps 6 and 12) that other runs are compared with."""
     def run(out: Path) -> None:
-        proc = run_script("train_grpo.py", grpo_args(tiny, out, "--train.steps", str(STEPS)), nproc=3)
+        proc = run_script("train_grpo.py", grpo_args(tiny, out, "--train.steps", str(STEPS), "--ckpt.save_every", "6"),
+                          nproc=3)
         (out / "console.log").write_text(proc.stdout)
     return built_once(tmp_path_factory, worker_id, "grpo_three_roles", run)
 

@@ -105,11 +105,11 @@ def test_layout_and_reward_errors(tiny, tmp_path, extra, message):
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny, three_role_run, tmp_path):
-    """Stopped at step 6 (as a preemption would) and restarted: the same curve as the straight run."""
-    args = grpo_args(tiny, tmp_path, "--train.steps", str(STEPS), "--ckpt.save_every", "3")
-    run_script("train_grpo.py", [*args, "--train.stop_at_step", "6"], nproc=3)
-    assert not (tmp_path / "hf").exists()
-    run_script("train_grpo.py", args, nproc=3)
+    """Resumed from the straight run's step-6 checkpoint, all three roles: the same curve as the straight run.
+    (A run stopped by `--train.stop_at_step` and restarted in its own directory: the replicated fp32 test below;
+    one killed and restarted by torchrun: test_fault_tolerance.py.)"""
+    run_script("train_grpo.py", grpo_args(tiny, tmp_path, "--train.steps", str(STEPS), "--ckpt.resume",
+                                          str(three_role_run / "checkpoints" / "step_000006")), nproc=3)
     assert_same_curve(read_metrics(tmp_path), read_metrics(three_role_run), range(7, STEPS + 1))
 
 
