@@ -146,6 +146,17 @@ def three_role_run(tiny, tmp_path_factory, worker_id) -> Path:
     return built_once(tmp_path_factory, worker_id, "grpo_three_roles", run)
 
 
+FOUR_RANK_STEPS = 4
+FOUR_RANK_ARGS = ("--train.steps", str(FOUR_RANK_STEPS), "--loss.beta", "0.1", "--layout.reference", "2")
+
+
+@pytest.fixture(scope="session")
+def four_rank_run(tiny, tmp_path_factory, worker_id) -> Path:
+    """A 4-rank GRPO run on one node: policy | 2 reference ranks (FSDP) | reward, with a KL term."""
+    return built_once(tmp_path_factory, worker_id, "grpo_four_ranks", lambda out: run_script(
+        "train_grpo.py", grpo_args(tiny, out, *FOUR_RANK_ARGS), nproc=4))
+
+
 HELD_OUT_ACCURACY = re.compile(r"held-out accuracy: greedy ([\d.]+) -> ([\d.]+) \(\d+ rows, s.e. [\d.]+\), "
                                r"sampled \(T=1, 8 per prompt\) ([\d.]+) -> ([\d.]+) \(step 0 -> (\d+)\)")
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import STEPS, assert_clean_error, assert_same_curve, grpo_args, read_metrics, run_script
+from conftest import FOUR_RANK_STEPS, STEPS, assert_clean_error, assert_same_curve, grpo_args, read_metrics, run_script
 
 
 def test_synced_engines_equal_the_trainer(tiny, tmp_path):
@@ -46,14 +46,12 @@ def test_reward_ranks_score_like_one_process(tiny, three_role_run, tmp_path):
         assert alone[step]["reward/mean"] == pytest.approx(roles[step]["reward/mean"], abs=1e-6), step
 
 
-def test_reference_ranks_give_the_policys_logprobs_at_the_start(tiny, tmp_path):
+def test_reference_ranks_give_the_policys_logprobs_at_the_start(four_rank_run):
     """Two reference ranks (FSDP) score the first batch with the initial weights: KL to the policy is 0;
     after updates it grows."""
-    run_script("train_grpo.py", grpo_args(tiny, tmp_path, "--train.steps", "3", "--loss.beta", "0.1",
-                                          "--layout.reference", "2"), nproc=4)
-    metrics = read_metrics(tmp_path)
+    metrics = read_metrics(four_rank_run)
     assert metrics[1]["loss/kl"] < 1e-9
-    assert metrics[3]["loss/kl"] > 1e-6
+    assert metrics[FOUR_RANK_STEPS]["loss/kl"] > 1e-6
 
 
 def test_reward_ranks_count_a_raising_function_and_add_a_reward_models_score(tiny, tmp_path):
