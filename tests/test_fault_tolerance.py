@@ -29,7 +29,7 @@ def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 300)
 def workers(agent_pid: int) -> dict[int, int]:
     """{rank: pid} of the live training processes torchrun started."""
     found = {}
-    children = [c for task in Path(f"/proc/{agent_pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    children = [c for task in Path(f"/proc/{agent_pid}/task").iterdir() for c in thread_children(task)]
     for child in children:
         try:
             env = dict(kv.split("=", 1) for kv in Path(f"/proc/{child}/environ").read_text().split("\0") if "=" in kv)
@@ -38,6 +38,13 @@ def workers(agent_pid: int) -> dict[int, int]:
         if "RANK" in env:
             found[int(env["RANK"])] = int(child)
     return found
+
+
+def thread_children(task: Path) -> list[str]:
+    try:
+        return (task / "children").read_text().split()
+    except FileNotFoundError:            # a thread of the agent that ended since the directory was listed
+        return []
 
 
 def logged_steps(out: Path) -> int:
