@@ -610,7 +610,7 @@ def main() -> None:
         optim, sched = build_optimizer(policy, cfg.optim, cfg.train.steps)
         ckpt = Checkpointer(cfg.out_dir, cfg.ckpt, group=roles.groups["policy"])
         if (path := ckpt.resume_path()) is not None:
-            meta = ckpt.load(path, policy, optim)
+            meta = ckpt.load(path, policy, optim, cfg.train.steps)
             sched.load_state_dict(meta["scheduler"])
             start_step = meta["step"]
     start_step = exchange(start_step)[0]     # every role walks the same steps

@@ -170,7 +170,7 @@ def main() -> None:
     ckpt = Checkpointer(cfg.out_dir, cfg.ckpt)
     start_step = 0
     if (path := ckpt.resume_path()) is not None:
-        meta = ckpt.load(path, model, optim)
+        meta = ckpt.load(path, model, optim, cfg.train.steps)
         sched.load_state_dict(meta["scheduler"])
         start_step = meta["step"]
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=d.is_rank0, start_step=start_step)

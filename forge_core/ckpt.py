@@ -90,8 +90,13 @@ class Checkpointer:
         self._settle(final, tmp, self._attempt(self._publish, tmp, final, files) if self.group_rank == 0 else None)
         return final
 
-    def load(self, path: Path, model, optim) -> dict[str, Any]:
-        """Restore model, optimizer and this rank's RNG in place; returns meta.json (step, scheduler, ...)."""
+    def load(self, path: Path, model, optim, train_steps: int | None = None) -> dict[str, Any]:
+        """Restore model, optimizer and this rank's RNG in place; returns meta.json (step, scheduler, ...).
+        A checkpoint past `train_steps` (a finished run's directory, run again with fewer steps) is an error."""
+        meta = json.loads((path / "meta.json").read_text())
+        if train_steps is not None and meta["step"] > train_steps:
+            raise ForgeError(f"config error: train.steps={train_steps} ends before the step-{meta['step']} checkpoint "
+                             f"it would resume from ({path}): raise train.steps, or use another out_dir")
         model_sd, optim_sd = get_state_dict(model, optim)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path), process_group=self.group)
@@ -99,7 +104,7 @@ class Checkpointer:
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():    # a run restarted with another world size keeps its fresh RNG
             _set_rng_state(torch.load(rng_file, weights_only=True))
-        return json.loads((path / "meta.json").read_text())
+        return meta
 
     def _write_state(self, tmp: Path, step: int, model, optim, meta: dict[str, Any]) -> None:
         model_sd, optim_sd = get_state_dict(model, optim)

@@ -85,6 +85,10 @@ def test_resume_reproduces_the_uninterrupted_run(tiny, tmp_path):
     assert split[8]["eval/loss"] == pytest.approx(straight[8]["eval/loss"], rel=1e-6)
     assert "eval/loss" in split[4] and "eval/loss" not in straight[4], "a stopped run evaluates at its last step"
 
+    shorter = run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "split", *SHORT, "--train.steps", "6"),
+                         nproc=1, check=False)          # the finished run's directory, with fewer steps
+    assert_clean_error(shorter, "train_sft.py", "config error: train.steps=6 ends before the step-8 checkpoint")
+
 
 def test_packing_gives_the_same_loss(tiny, tmp_path):
     args = [*SHORT, "--train.steps", "2"]
