@@ -20,7 +20,8 @@ from .ckpt import first_on_any_rank, publish_dir
 from .config import ForgeError
 
 __all__ = ["ModelConfig", "FSDPConfig", "load_model", "load_tokenizer", "shard", "linear_kernel", "cpu_has_bf16",
-           "bf16_chosen", "use_onednn_linears", "onednn_linear", "set_gradient_sync", "export_hf", "full_state_dict"]
+           "cpu_prefers_bf16", "bf16_chosen", "use_onednn_linears", "onednn_linear", "set_gradient_sync", "export_hf",
+           "full_state_dict"]
 
 
 @dataclass
@@ -36,8 +37,8 @@ class ModelConfig:
 
 @dataclass
 class FSDPConfig:
-    # auto: bf16 params on GPU, fp32 on CPU; bf16_if_native: bf16 on GPU and on CPUs with bf16 instructions
-    # (cpu_has_bf16: the SmolLM2 GRPO step 1.8x faster on an AMX Xeon), fp32 on the others (AVX2: no bf16 arithmetic)
+    # auto: bf16 params on GPU, fp32 on CPU; bf16_if_native: bf16 on GPU and on CPUs with AMX (cpu_prefers_bf16:
+    # the SmolLM2 GRPO step 1.8x faster on an AMX Xeon, 1.4x slower on one with AVX512-BF16 alone), fp32 elsewhere
     mixed_precision: Literal["auto", "fp32", "bf16", "bf16_if_native"] = "auto"
     activation_checkpointing: bool = False
     reshard_after_forward: bool = True     # sharded ranks only: replicated ones (shard: false) keep their weights
@@ -145,15 +146,23 @@ def _cpu_flags() -> set[str]:
 
 
 def cpu_has_bf16() -> bool:
-    """Whether this CPU computes in bf16 (AMX or AVX512-BF16 dot products); others convert to fp32 in software."""
+    """Whether this CPU has bf16 instructions (AMX or AVX512-BF16: dot products, conversions that round); others
+    convert to fp32 in software."""
     return bool(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+
+def cpu_prefers_bf16() -> bool:
+    """Whether this CPU multiplies bf16 faster than fp32: with AMX's tiles (bf16 GEMMs ~6x fp32's on a Xeon).
+    AVX512-BF16's dot products alone are not enough: on a Xeon whose VM hides AMX, torch's bf16 GEMMs ran at half
+    its fp32 rate and the SmolLM2 GRPO step was 1.4x slower in bf16 (Zen 4/5 unmeasured: fp32 there)."""
+    return "amx_bf16" in _cpu_flags()
 
 
 def bf16_chosen(setting: str, on_gpu: bool) -> bool:
     """A precision setting (fsdp.mixed_precision, engine.dtype) resolved on this machine: bf16 or not. Decided by
     the CPU's flags, not a start-up timing, so a run and its resume on one machine compute alike."""
     return setting == "bf16" or (setting in ("auto", "bf16_if_native") and on_gpu) or \
-        (setting == "bf16_if_native" and cpu_has_bf16())
+        (setting == "bf16_if_native" and cpu_prefers_bf16())
 
 
 class _OneDNNLinearFn(torch.autograd.Function):

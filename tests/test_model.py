@@ -67,14 +67,14 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10, (torch
 
 
 def test_bf16_if_native_follows_the_cpu_flags(monkeypatch):
-    """`bf16_if_native` (fsdp.mixed_precision, engine.dtype): bf16 on GPU and where the CPU has bf16 instructions,
-    fp32 elsewhere; `auto` stays fp32 on every CPU."""
+    """`bf16_if_native` (fsdp.mixed_precision, engine.dtype): bf16 on GPU and where the CPU has AMX, fp32 elsewhere,
+    AVX512-BF16 alone included (its bf16 GEMMs ran at half fp32's rate); `auto` stays fp32 on every CPU."""
     import forge_core.model as model_module
     from forge_core.engine import engine_dtype
-    for flags, native in (("fpu avx2 avx512f amx_bf16 amx_tile", True), ("fpu avx2 avx512_bf16", True),
-                          ("fpu avx2 fma", False)):
+    for flags, has_bf16, native in (("fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile", True, True),
+                                    ("fpu avx2 avx512f avx512_bf16", True, False), ("fpu avx2 fma", False, False)):
         monkeypatch.setattr(model_module, "_cpuinfo", lambda: f"processor\t: 0\nflags\t\t: {flags}\n")
-        assert model_module.cpu_has_bf16() is native
+        assert model_module.cpu_has_bf16() is has_bf16 and model_module.cpu_prefers_bf16() is native
         assert engine_dtype("bf16_if_native", on_gpu=False) == ("bfloat16" if native else "float32")
         assert model_module.bf16_chosen("bf16_if_native", on_gpu=False) is native
         assert engine_dtype("auto", on_gpu=False) == "float32" and not model_module.bf16_chosen("auto", False)
