@@ -1,13 +1,16 @@
-"""One core's fp32 GEMM throughput on the linear layers of a model, torch's own (MKL on x86) beside oneDNN's
+"""One core's GEMM throughput on the linear layers of a model: in fp32, torch's own (MKL on x86) beside oneDNN's
 (`forge_core.model.onednn_linear`, what `fsdp.linear_kernel: onednn` trains with and the engines multiply by): which one
 this CPU runs faster, and how close the GRPO step's GEMMs can come to the CPU's peak. Forward alone (what an engine
 runs) and forward + backward (the trainer's three GEMMs per linear: y, the input's and the weight's gradients).
+Then torch's GEMMs in bf16 against fp32: what `bf16_if_native` (fsdp.mixed_precision, engine.dtype) decides between
+by the CPU's flags (bf16 with AMX), to check that rule on a new CPU kind.
 
     python bench/bench_gemm.py                                   # the tiny model's shapes
     python bench/bench_gemm.py --model artifacts/smollm2-135m --tokens 512
 """
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -18,7 +21,7 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from forge_core.model import onednn_linear, use_onednn_linears  # noqa: E402
+from forge_core.model import cpu_prefers_bf16, onednn_linear, use_onednn_linears  # noqa: E402
 
 
 def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
@@ -59,7 +62,8 @@ def main() -> None:
           "gradients (forward + backward, 3x the FLOPs)\n")
     print("| linear | tokens | forward: torch (MKL) | oneDNN | oneDNN / torch "
           "| forward + backward: torch (MKL) | oneDNN | oneDNN / torch |\n|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, (out, inp) in linear_shapes(json.loads(Path(model, "config.json").read_text())).items():
+    shapes = linear_shapes(json.loads(Path(model, "config.json").read_text()))
+    for name, (out, inp) in shapes.items():
         for n in args.tokens:
             x, w = torch.randn(n, inp, requires_grad=True), torch.randn(out, inp)
             grad = torch.randn(n, out)
@@ -75,6 +79,32 @@ def main() -> None:
             dnn_train = seconds_per_call(train_step(dnn_linear, x, grad), train_repetitions)
             print(f"| {name} {out}x{inp} | {n} | {gflop / mkl:.1f} | {gflop / dnn:.1f} | {mkl / dnn:.2f} | "
                   f"{3 * gflop / mkl_train:.1f} | {3 * gflop / dnn_train:.1f} | {mkl_train / dnn_train:.2f} |")
+    bf16_against_fp32(shapes, args.tokens)
+
+
+def bf16_against_fp32(shapes: dict[str, tuple[int, int]], token_counts: list[int]) -> None:
+    print("\nbf16 against fp32, torch's GEMMs, GFLOP/s as above\n")
+    print("| linear | tokens | forward: fp32 | bf16 | bf16 / fp32 | forward + backward: fp32 | bf16 | bf16 / fp32 |"
+          "\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    train_ratios = []
+    for name, (out, inp) in shapes.items():
+        for n in token_counts:
+            gflop = 2 * n * out * inp / 1e9
+            repetitions = max(3, int(2 / gflop))
+            forward, train = {}, {}
+            for dtype in (torch.float32, torch.bfloat16):
+                x, grad = torch.randn(n, inp, dtype=dtype, requires_grad=True), torch.randn(n, out, dtype=dtype)
+                linear = nn.Linear(inp, out, bias=False, dtype=dtype)
+                with torch.no_grad():
+                    forward[dtype] = gflop / seconds_per_call(lambda: linear(x), repetitions)
+                train[dtype] = 3 * gflop / seconds_per_call(train_step(linear, x, grad), max(3, repetitions // 3))
+            fp32, bf16 = torch.float32, torch.bfloat16
+            train_ratios.append(train[bf16] / train[fp32])
+            print(f"| {name} {out}x{inp} | {n} | {forward[fp32]:.1f} | {forward[bf16]:.1f} | "
+                  f"{forward[bf16] / forward[fp32]:.2f} | {train[fp32]:.1f} | {train[bf16]:.1f} | "
+                  f"{train_ratios[-1]:.2f} |")
+    print(f"\nbf16_if_native takes {'bf16' if cpu_prefers_bf16() else 'fp32'} on this CPU (bf16 with AMX); measured "
+          f"here, bf16's forward + backward ran at {statistics.median(train_ratios):.2f}x fp32's rate (median)")
 
 
 if __name__ == "__main__":

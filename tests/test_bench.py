@@ -46,8 +46,10 @@ def test_sft_bench_does_the_trainers_work(tiny, tmp_path):
 def test_gemm_bench_prints_every_linear(tiny):
     proc = run_script("bench/bench_gemm.py", ["--model", str(tiny / "init"), "--tokens", "64"], timeout=300)
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "| 64 |" in line]
-    assert [row.split()[1] for row in rows] == ["qkv", "o", "gate_up", "down", "lm_head"]
+    assert [row.split()[1] for row in rows] == ["qkv", "o", "gate_up", "down", "lm_head"] * 2   # torch/oneDNN, bf16/fp32
     assert all(float(cell) > 0 for row in rows for cell in row.strip("| ").split(" | ")[2:]), rows
+    from forge_core.model import cpu_prefers_bf16
+    assert f"bf16_if_native takes {'bf16' if cpu_prefers_bf16() else 'fp32'} on this CPU" in proc.stdout
 
 
 def test_agent_bench_prints_the_cost_of_turns(tmp_path):
