@@ -62,8 +62,8 @@ def main() -> None:
           "gradients (forward + backward, 3x the FLOPs)\n")
     print("| linear | tokens | forward: torch (MKL) | oneDNN | oneDNN / torch "
           "| forward + backward: torch (MKL) | oneDNN | oneDNN / torch |\n|---|---:|---:|---:|---:|---:|---:|---:|")
-    shapes = linear_shapes(json.loads(Path(model, "config.json").read_text()))
-    for name, (out, inp) in shapes.items():
+    bf16_rows, bf16_train_ratios = [], []
+    for name, (out, inp) in linear_shapes(json.loads(Path(model, "config.json").read_text())).items():
         for n in args.tokens:
             x, w = torch.randn(n, inp, requires_grad=True), torch.randn(out, inp)
             grad = torch.randn(n, out)
@@ -77,35 +77,34 @@ def main() -> None:
             train_repetitions = max(3, repetitions // 3)
             mkl_train = seconds_per_call(train_step(torch_linear, x, grad), train_repetitions)
             dnn_train = seconds_per_call(train_step(dnn_linear, x, grad), train_repetitions)
-            print(f"| {name} {out}x{inp} | {n} | {gflop / mkl:.1f} | {gflop / dnn:.1f} | {mkl / dnn:.2f} | "
-                  f"{3 * gflop / mkl_train:.1f} | {3 * gflop / dnn_train:.1f} | {mkl_train / dnn_train:.2f} |")
-    bf16_against_fp32(shapes, args.tokens)
-
-
-def bf16_against_fp32(shapes: dict[str, tuple[int, int]], token_counts: list[int]) -> None:
-    print("\nbf16 against fp32, torch's GEMMs, GFLOP/s as above\n")
+            label = f"{name} {out}x{inp} | {n}"
+            print(table_row(label, gflop, (mkl, mkl_train), (dnn, dnn_train)))
+            bf16 = bf16_seconds(out, inp, n, repetitions, train_repetitions)
+            bf16_rows.append(table_row(label, gflop, (mkl, mkl_train), bf16))
+            bf16_train_ratios.append(mkl_train / bf16[1])
+    print("\nbf16 against fp32, torch's GEMMs (fp32: the torch column above), GFLOP/s as above\n")
     print("| linear | tokens | forward: fp32 | bf16 | bf16 / fp32 | forward + backward: fp32 | bf16 | bf16 / fp32 |"
           "\n|---|---:|---:|---:|---:|---:|---:|---:|")
-    train_ratios = []
-    for name, (out, inp) in shapes.items():
-        for n in token_counts:
-            gflop = 2 * n * out * inp / 1e9
-            repetitions = max(3, int(2 / gflop))
-            forward, train = {}, {}
-            for dtype in (torch.float32, torch.bfloat16):
-                x, grad = torch.randn(n, inp, dtype=dtype, requires_grad=True), torch.randn(n, out, dtype=dtype)
-                linear = nn.Linear(inp, out, bias=False, dtype=dtype)
-                with torch.no_grad():
-                    forward[dtype] = gflop / seconds_per_call(lambda: linear(x), repetitions)
-                train[dtype] = 3 * gflop / seconds_per_call(train_step(linear, x, grad), max(3, repetitions // 3))
-            fp32, bf16 = torch.float32, torch.bfloat16
-            train_ratios.append(train[bf16] / train[fp32])
-            print(f"| {name} {out}x{inp} | {n} | {forward[fp32]:.1f} | {forward[bf16]:.1f} | "
-                  f"{forward[bf16] / forward[fp32]:.2f} | {train[fp32]:.1f} | {train[bf16]:.1f} | "
-                  f"{train_ratios[-1]:.2f} |")
+    print("\n".join(bf16_rows))
     print(f"\nbf16_if_native takes {'bf16' if cpu_prefers_bf16() else 'fp32'} on this CPU (bf16 with AMX); measured "
-          f"here, bf16's forward + backward ran at {statistics.median(train_ratios):.2f}x fp32's rate (median)")
+          f"here, bf16's forward + backward ran at {statistics.median(bf16_train_ratios):.2f}x fp32's rate (median)")
 
+
+def bf16_seconds(out: int, inp: int, n: int, repetitions: int, train_repetitions: int) -> tuple[float, float]:
+    """torch's bf16 GEMMs at one shape: seconds per forward and per forward + backward."""
+    x = torch.randn(n, inp, dtype=torch.bfloat16, requires_grad=True)
+    linear = nn.Linear(inp, out, bias=False, dtype=torch.bfloat16)
+    grad = torch.randn(n, out, dtype=torch.bfloat16)
+    with torch.no_grad():
+        forward = seconds_per_call(lambda: linear(x), repetitions)
+    return forward, seconds_per_call(train_step(linear, x, grad), train_repetitions)
+
+
+def table_row(label: str, gflop: float, base: tuple[float, float], other: tuple[float, float]) -> str:
+    """GFLOP/s of two contenders (seconds of a forward, of a forward + backward) and the other's speed-up."""
+    (fwd, train), (other_fwd, other_train) = base, other
+    return (f"| {label} | {gflop / fwd:.1f} | {gflop / other_fwd:.1f} | {fwd / other_fwd:.2f} | "
+            f"{3 * gflop / train:.1f} | {3 * gflop / other_train:.1f} | {train / other_train:.2f} |")
 
 if __name__ == "__main__":
     main()
