@@ -418,18 +418,20 @@ def sampler(engine, tokenizer, rows: list[dict], cfg: GRPOConfig, env_class) -> 
 
 
 def describe_accuracy(start: dict[str, float], end: dict[str, float], cfg: GRPOConfig, steps: range,
-                      rows: int) -> str:
+                      rows: int, tools: bool) -> str:
     """Greedy accuracy with its standard error over `rows` held-out rows (the larger of start's and end's:
-    a rise of more than twice it is more than noise), then sampled accuracy when it was measured."""
+    a rise of more than twice it is more than noise), then sampled accuracy when it was measured; for episodes,
+    their turns, and tool use where the environment has tools (`stop` strings)."""
     stderr = max(math.sqrt(p * (1 - p) / rows) for p in (start["eval/accuracy"], end["eval/accuracy"]))
     sampled = "" if "eval/accuracy_sampled" not in start else (
         f", sampled (T={cfg.sampling.temperature:g}, {cfg.sampling.num_generations} per prompt) "
         f"{start['eval/accuracy_sampled']:.3f} -> {end['eval/accuracy_sampled']:.3f}")
     line = (f"held-out accuracy: greedy {start['eval/accuracy']:.3f} -> {end['eval/accuracy']:.3f} "
             f"({rows} rows, s.e. {stderr:.3f}){sampled} (step {steps.start} -> {steps.stop})")
-    if "eval/tool_use" in start:
-        line += (f"\ntool use: {start['eval/tool_use']:.2f} -> {end['eval/tool_use']:.2f} of episodes, "
-                 f"turns per episode {start['eval/turns']:.2f} -> {end['eval/turns']:.2f} (held-out, greedy)")
+    if "eval/turns" in start:
+        tool_use = f"tool use: {start['eval/tool_use']:.2f} -> {end['eval/tool_use']:.2f} of episodes, "
+        line += (f"\n{tool_use if tools else ''}turns per episode {start['eval/turns']:.2f} -> {end['eval/turns']:.2f}"
+                 " (held-out, greedy)")
     return line
 
 
@@ -544,7 +546,8 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
         export_hf(policy, tokenizer, export_dir, roles.groups["policy"])
         log.print(f"exported {export_dir}")
-    log.print(describe_accuracy(start_accuracy, accuracy_now, cfg, steps, len(eval_rows)))
+    log.print(describe_accuracy(start_accuracy, accuracy_now, cfg, steps, len(eval_rows),
+                                tools=bool(getattr(env_class, "stop", []))))
     log.print(f"summary: {steps.stop - steps.start} GRPO steps in {time.perf_counter() - started:.0f} s took greedy "
               f"held-out accuracy from {start_accuracy['eval/accuracy']:.3f} to {accuracy_now['eval/accuracy']:.3f} "
               f"({len(eval_rows)} rows)")

@@ -46,3 +46,18 @@ def test_calculator_pipeline_learns_to_use_the_tool(tmp_path):
     metrics = read_metrics(tmp_path / "grpo")
     assert metrics[20]["episode/tool_calls"] > metrics[1]["episode/tool_calls"]
     assert metrics[20]["episode/turns"] > 1.5
+
+
+def test_the_closing_lines_report_tool_use_only_for_environments_with_tools():
+    """`make run-guess` (GuessNumber: chat turns, no `stop` strings) said "tool use: 0.00 -> 0.00" of a game
+    that has no tools; its closing line now reports turns only."""
+    from train_grpo import GRPOConfig, describe_accuracy
+    start = {"eval/accuracy": 0.5, "eval/tool_use": 0.0, "eval/turns": 4.12}
+    end = {"eval/accuracy": 0.875, "eval/tool_use": 0.0, "eval/turns": 3.69}
+    game = describe_accuracy(start, end, GRPOConfig(), range(0, 40), 16, tools=False)
+    assert game.splitlines()[1] == "turns per episode 4.12 -> 3.69 (held-out, greedy)"
+    calculator = describe_accuracy(start, end | {"eval/tool_use": 0.99}, GRPOConfig(), range(0, 40), 16, tools=True)
+    assert calculator.splitlines()[1].startswith("tool use: 0.00 -> 0.99 of episodes, turns per episode 4.12 -> 3.69")
+    single_turn = describe_accuracy({"eval/accuracy": 0.5}, {"eval/accuracy": 0.6}, GRPOConfig(), range(0, 2), 16,
+                                    tools=False)
+    assert "\n" not in single_turn
