@@ -472,6 +472,10 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
                  ckpt: Checkpointer, policy, optim, sched) -> None:
     env_class = load_env(cfg.env)
     accuracy_name = cfg.rewards.accuracy or ("env" if env_class else function_names(cfg.rewards)[0])
+    tools = bool(getattr(env_class, "stop", []))         # tool calls are model turns that end at a stop string
+    console_keys = ("reward/mean", "reward/accuracy", "loss/kl", "completion/length", "episode/turns",
+                    *(("episode/tool_calls",) if tools else ()), "perf/generate_tokens_per_s", "time/step",
+                    "eval/accuracy", "eval/accuracy_sampled", *(("eval/tool_use",) if tools else ()))
     sample, sample_eval = (sampler(engine, tokenizer, r, cfg, env_class) for r in (rows, eval_rows))
     G = cfg.sampling.num_generations
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=steps.start)
@@ -534,9 +538,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
             accuracy_now = evaluate(sample_eval, tokenizer, eval_rows, roles, accuracy, cfg.train.eval_sampled)
             metrics |= accuracy_now
         if done % cfg.train.log_every == 0 or "eval/accuracy" in metrics:
-            log.log(done, metrics, ("reward/mean", "reward/accuracy", "loss/kl", "completion/length",
-                                    "episode/turns", "episode/tool_calls", "perf/generate_tokens_per_s", "time/step",
-                                    "eval/accuracy", "eval/accuracy_sampled", "eval/tool_use"))
+            log.log(done, metrics, console_keys)
         set_phase("checkpoint")
         ckpt.maybe_save(done, steps.stop, policy, optim,
                         {"scheduler": sched.state_dict(), "config": config_to_dict(cfg)})
@@ -546,8 +548,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
         export_hf(policy, tokenizer, export_dir, roles.groups["policy"])
         log.print(f"exported {export_dir}")
-    log.print(describe_accuracy(start_accuracy, accuracy_now, cfg, steps, len(eval_rows),
-                                tools=bool(getattr(env_class, "stop", []))))
+    log.print(describe_accuracy(start_accuracy, accuracy_now, cfg, steps, len(eval_rows), tools))
     log.print(f"summary: {steps.stop - steps.start} GRPO steps in {time.perf_counter() - started:.0f} s took greedy "
               f"held-out accuracy from {start_accuracy['eval/accuracy']:.3f} to {accuracy_now['eval/accuracy']:.3f} "
               f"({len(eval_rows)} rows)")
