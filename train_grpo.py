@@ -429,9 +429,9 @@ def describe_accuracy(start: dict[str, float], end: dict[str, float], cfg: GRPOC
     line = (f"held-out accuracy: greedy {start['eval/accuracy']:.3f} -> {end['eval/accuracy']:.3f} "
             f"({rows} rows, s.e. {stderr:.3f}){sampled} (step {steps.start} -> {steps.stop})")
     if "eval/turns" in start:
-        tool_use = f"tool use: {start['eval/tool_use']:.2f} -> {end['eval/tool_use']:.2f} of episodes, "
-        line += (f"\n{tool_use if tools else ''}turns per episode {start['eval/turns']:.2f} -> {end['eval/turns']:.2f}"
-                 " (held-out, greedy)")
+        tool_use = (f"tool use: {start['eval/tool_use']:.2f} -> {end['eval/tool_use']:.2f} of episodes, "
+                    if tools else "")
+        line += f"\n{tool_use}turns per episode {start['eval/turns']:.2f} -> {end['eval/turns']:.2f} (held-out, greedy)"
     return line
 
 

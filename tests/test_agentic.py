@@ -17,7 +17,7 @@ EPISODE_ARGS = ("--layout.reference", "0", "--env.name", "tests/envs_for_tests.p
 def test_multi_turn_episodes_train_with_engine_logprob_parity_and_resume(tiny, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     proc = run_script("train_grpo.py", grpo_args(tiny, straight, *EPISODE_ARGS), nproc=2)
-    assert "tool_calls" in proc.stdout and "tool use: " in proc.stdout     # Chatter has tools: a `stop` string
+    assert "episode/tool_calls " in proc.stdout and "tool use: " in proc.stdout   # Chatter has tools: a `stop` string
     metrics = read_metrics(straight)
     assert sorted(metrics) == list(range(1, STEPS + 1))
     for step, m in metrics.items():
