@@ -79,8 +79,9 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
         if isinstance(values[0], dict):
             return {k: cat([v[k] for v in values], left) for k in values[0]}
         return pad_cat(values, left)
-    fields = {k: cat([vars(p)[k] for p in parts], left=k.startswith("prompt")) for k in vars(parts[0])}
-    return Rollout(**fields | {"seconds": dict(parts[0].seconds)})
+    fields = {k: cat([vars(p)[k] for p in parts], left=k.startswith("prompt")) for k in vars(parts[0])
+              if k != "seconds"}
+    return Rollout(**fields, seconds=dict(parts[0].seconds))
 
 
 def balanced_share(shares: list[Rollout], me: int, G: int, micro: int, mini: int) -> Rollout:

@@ -8,15 +8,17 @@ import re
 from conftest import HELD_OUT_ACCURACY, assert_same_curve, grpo_args, read_metrics, run_pipeline, run_script
 
 STEPS = 6
-# policy | reward ranks: with no KL term a reference rank would only idle
-EPISODE_ARGS = ("--layout.reference", "0", "--env.name", "tests/envs_for_tests.py:Chatter", "--env.max_turns", "3",
+# 2 policy ranks, whose episodes are re-dealt between them by width (micro-batches of 2 groups) | a reward rank;
+# with no KL term a reference rank would only idle
+EPISODE_ARGS = ("--layout.policy", "2", "--layout.reference", "0", "--train.micro_batch_size", "16",
+                "--env.name", "tests/envs_for_tests.py:Chatter", "--env.max_turns", "3",
                 "--env.max_episode_tokens", "24", "--env.max_observation_tokens", "4",
                 "--train.steps", str(STEPS), "--ckpt.save_every", "3")
 
 
 def test_multi_turn_episodes_train_with_engine_logprob_parity_and_resume(tiny, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    proc = run_script("train_grpo.py", grpo_args(tiny, straight, *EPISODE_ARGS), nproc=2)
+    proc = run_script("train_grpo.py", grpo_args(tiny, straight, *EPISODE_ARGS), nproc=3)
     assert "episode/tool_calls " in proc.stdout and "tool use: " in proc.stdout   # Chatter has tools: a `stop` string
     metrics = read_metrics(straight)
     assert sorted(metrics) == list(range(1, STEPS + 1))
@@ -32,7 +34,7 @@ def test_multi_turn_episodes_train_with_engine_logprob_parity_and_resume(tiny, t
 
     # resumed from the straight run's step-3 checkpoint (a stopped run's: test_grpo_e2e.py resumes one of those)
     run_script("train_grpo.py", [*grpo_args(tiny, resumed, *EPISODE_ARGS),
-                                 "--ckpt.resume", str(straight / "checkpoints" / "step_000003")], nproc=2)
+                                 "--ckpt.resume", str(straight / "checkpoints" / "step_000003")], nproc=3)
     assert_same_curve(read_metrics(resumed), metrics, range(4, STEPS + 1),
                       keys=("reward/mean", "loss/entropy", "train/grad_norm", "episode/turns"))
 
