@@ -113,14 +113,16 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
 
 
 def _take_turn(episode: _Episode, sample, tokenizer, stops: list[str]) -> tuple[str, bool]:
-    """Append the model's turn as generated; the text the environment sees, and whether it ended at EOS."""
+    """Append the model's turn as generated; the text the environment sees, and whether it ended at EOS. The text
+    is vLLM's, which ends at the stop string where the last sampled token runs past it (SmolLM2 samples `><`
+    after `</python`: the tokens keep the `<`, the environment sees `...</python>`)."""
     ids = list(sample.token_ids)
     episode.ids += ids
     episode.model_mask += [1] * len(ids)
     episode.logprobs += sampled_logprobs(sample)
     episode.turns += 1
     episode.tool_calls += sample.stop_reason in stops
-    return tokenizer.decode(ids, skip_special_tokens=True), bool(ids) and ids[-1] == tokenizer.eos_token_id
+    return sample.text, bool(ids) and ids[-1] == tokenizer.eos_token_id
 
 
 def _step(episode: _Episode, action: tuple[str, bool]) -> tuple[str, float, bool] | None:

@@ -3,6 +3,7 @@ trainer's logprobs of the model's tokens equal the engine's, a raising environme
 resumed run reproduces the uninterrupted one; the agentic pipeline (`make run-agent`, shortened) learns that the
 calculator pays."""
 
+import json
 import re
 
 from conftest import HELD_OUT_ACCURACY, assert_same_curve, grpo_args, read_metrics, run_pipeline, run_script
@@ -37,6 +38,17 @@ def test_multi_turn_episodes_train_with_engine_logprob_parity_and_resume(tiny, t
                                  "--ckpt.resume", str(straight / "checkpoints" / "step_000003")], nproc=3)
     assert_same_curve(read_metrics(resumed), metrics, range(4, STEPS + 1),
                       keys=("reward/mean", "loss/entropy", "train/grad_norm", "episode/turns"))
+
+
+def test_a_stop_string_inside_a_token_ends_the_action_there(tiny):
+    """A turn that stops at a stop string inside a sampled token (tests/stop_check.py): the environment's action
+    ends at the stop string, so a tool call is seen as one (SmolLM2's `</python>` ends inside `><`)."""
+    proc = run_script("tests/stop_check.py", [str(tiny / "init")], nproc=1)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["past_stop"]) >= 3, out["past_stop"]            # the case happened
+    stopped = [a for a in out["actions"] if "st" in a]
+    assert len(stopped) == out["tool_calls"] >= len(out["past_stop"])
+    assert all(a.index("st") == len(a) - 2 for a in stopped), [a for a in stopped if not a.endswith("st")]
 
 
 def test_calculator_pipeline_learns_to_use_the_tool(tmp_path):
