@@ -22,7 +22,7 @@ $(BIN)/torchrun --standalone --nproc_per_node $(or $(3),3) train_grpo.py --confi
 echo "make $@: SFT + GRPO took $$(( $$(date +%s) - start )) s"
 endef
 
-.PHONY: setup run run-agent run-guess run-qwen3 run-smol test bench
+.PHONY: setup run run-agent run-guess run-qwen3 run-smol run-smol-tool test bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -74,6 +74,14 @@ artifacts/gsm8k_style/train.jsonl: tools/make_gsm8k_style.py | setup
 # the slip
 run-smol: setup artifacts/smollm2-135m/converted.json artifacts/gsm8k_style/train.jsonl
 	$(call sft_then_grpo,configs/sft/smollm2_gsm8k_style.yaml,configs/grpo/smollm2_gsm8k_style.yaml,2)
+
+artifacts/gsm8k_python/train.jsonl: tools/make_gsm8k_style.py environments.py | setup
+	$(BIN)/python tools/make_gsm8k_style.py --out artifacts/gsm8k_python --label-noise 0.7 --python-share 0.2
+
+# Agentic GRPO on a real model: SmolLM2-135M-Instruct imitates a teacher who computes in Python in 20% of its
+# answers (SFT, 2 ranks); GRPO (2 policy ranks) with the sandboxed Python tool finds that the tool pays
+run-smol-tool: setup artifacts/smollm2-135m/converted.json artifacts/gsm8k_python/train.jsonl
+	$(call sft_then_grpo,configs/sft/smollm2_python_tool.yaml,configs/grpo/smollm2_python_tool.yaml,2)
 
 # Two test files at a time (whole files, so that a module's fixtures are built once), the longest first
 # (tests/conftest.py): a test's ranks spend much of their time importing and starting engines, one at a time,

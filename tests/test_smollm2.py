@@ -141,6 +141,28 @@ def test_the_careless_teacher_slips_only_in_the_final_answer(problems, tmp_path)
         assert rewards.math_correct(row["response"], row) == 0.0
 
 
+def test_python_traces_compute_the_gold_answer_in_the_sandbox(tmp_path):
+    """`--python-share`: a share of the SFT responses are PythonTool episodes as the environment plays them (the
+    code runs in the real sandbox, and what it prints is the gold answer), the rest the careless teacher's; every
+    prompt is the environment's first message."""
+    from environments import PythonTool
+    run_tool("make_gsm8k_style.py", "--out", str(tmp_path), "--train-rows", "200", "--eval-rows", "20",
+             "--label-noise", "0.7", "--python-share", "0.2")
+    train, evals = read_jsonl(tmp_path / "train.jsonl"), read_jsonl(tmp_path / "eval.jsonl")
+    assert all(r["prompt"] == PythonTool().reset(r) and r["question"] in r["prompt"] for r in train + evals)
+    assert all(r["response"] == r["answer"] for r in evals)
+    traces = [r for r in train if r["response"].startswith("<python>")]
+    assert 0.1 < len(traces) / len(train) < 0.3
+    assert any("x1" in r["response"].split("\n", 1)[1] for r in traces), "later lines use earlier results"
+    for row in traces[:12]:
+        env = PythonTool()
+        env.reset(row)
+        call, after = row["response"].split("</python>")
+        observation, reward, done = env.step(call + "</python>")          # the code runs in the sandbox
+        assert after.startswith(observation) and (reward, done) == (0.0, False), (observation, after)
+        assert env.step(after[len(observation):]) == ("", 1.0, True) and env.tool_errors == 0
+
+
 # ---- the configs, end to end ----
 
 def test_sft_then_grpo_configs_raise_the_reward_on_smollm2(smollm2, one_step_problems, tmp_path):

@@ -2,22 +2,29 @@
 
     python tools/make_gsm8k_style.py                      # -> artifacts/gsm8k_style/{train,eval}.jsonl
     python tools/make_gsm8k_style.py --out /tmp/g --train-rows 500 --seed 1
+    python tools/make_gsm8k_style.py --out artifacts/gsm8k_python --label-noise 0.7 --python-share 0.2
 
 Rows look like GSM8K's: `question`, and `answer` = reasoning lines with calculator annotations, then
 `#### N` (`Tom pays 3*4 = $<<3*4=12>>12.\n#### 12`), so `gsm8k_correct`, `math_correct` and the GSM8K
-configs work on them unchanged. Five families (shopping, rates, ages, sharing, multi-step) come in a
+configs work on them unchanged. With `--python-share`, that share of the SFT responses computes in Python for
+environments.PythonTool instead (`<python>x1 = 3*4\nprint(x1)</python><output>12</output>\n#### 12`), and every
+row's `prompt` is the environment's first message. Five families (shopping, rates, ages, sharing, multi-step) come in a
 one-step and a two/three-step form with small whole numbers: SmolLM2-135M-Instruct solves some of them
 (GRPO needs groups with mixed rewards), not most. Deterministic by seed; no eval question is in train.
 """
 
 import json
 import random
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
 
-from forge_core.data import careless
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # environments.py is a module at the repo root
+from environments import PythonTool  # noqa: E402
+from forge_core.data import careless  # noqa: E402
 
 NAMES = [("Tom", "he", "his"), ("Mia", "she", "her"), ("Sam", "he", "his"), ("Lena", "she", "her"),
          ("Omar", "he", "his"), ("Ava", "she", "her"), ("Ben", "he", "his"), ("Zoe", "she", "her"),
@@ -118,11 +125,26 @@ def multi_step(rng: random.Random, hard: bool):
 FAMILIES = [shopping, rates, ages, sharing, multi_step]
 
 
-def gsm8k_style_rows(num_rows: int, seed: int, hard_fraction: float = 0.5,
-                     exclude: set[str] = frozenset(), label_noise: float = 0.0) -> list[dict]:
+def python_trace(lines: list[str], answer: int) -> str:
+    """The reasoning lines' calculations as a PythonTool call: one variable per line, an operand equal to an
+    earlier line's value replaced by its variable (the same number either way), `/` as `//` (every division is
+    exact here), then the interpreter's output and the final answer."""
+    code, values = [], {}
+    for i, line in enumerate(lines, 1):
+        expr = re.search(r"<<(.+?)=\d+>>", line).group(1)
+        operands = re.split(r"([+\-*/])", expr)
+        code.append(f"x{i} = " + "".join(values.get(part, part) for part in operands).replace("/", "//"))
+        values[re.search(r"=(\d+)>>", line).group(1)] = f"x{i}"
+    code.append(f"print(x{len(lines)})")
+    return "<python>" + "\n".join(code) + f"</python><output>{answer}</output>\n#### {answer}"
+
+
+def gsm8k_style_rows(num_rows: int, seed: int, hard_fraction: float = 0.5, exclude: set[str] = frozenset(),
+                     label_noise: float = 0.0, python_share: float = 0.0) -> list[dict]:
     """Distinct problems (none of them in `exclude`), families in turn, `hard_fraction` of them multi-step.
     `answer` is always right; `response`, what SFT imitates, is the answer except that with `label_noise` its
-    final line slips: the last digit one too high (`#### 45` -> `#### 46`), the reasoning above it intact."""
+    final line slips: the last digit one too high (`#### 45` -> `#### 46`), the reasoning above it intact. With
+    `python_share`, that share of the responses is a PythonTool trace, which never slips."""
     rng = random.Random(seed)
     rows, seen = [], set(exclude)
     for attempt in range(100 * num_rows):
@@ -135,8 +157,11 @@ def gsm8k_style_rows(num_rows: int, seed: int, hard_fraction: float = 0.5,
         seen.add(question)
         reasoning = "\n".join(lines)
         final = careless(str(answer)) if rng.random() < label_noise else str(answer)
-        rows.append({"question": question, "answer": f"{reasoning}\n#### {answer}",
-                     "response": f"{reasoning}\n#### {final}", "family": family.__name__})
+        row = {"question": question, "answer": f"{reasoning}\n#### {answer}",
+               "response": f"{reasoning}\n#### {final}", "family": family.__name__}
+        if python_share and rng.random() < python_share:
+            row["response"] = python_trace(lines, answer)
+        rows.append(row)
     assert len(rows) == num_rows, f"only {len(rows)} distinct problems for seed {seed}"
     return rows
 
@@ -148,13 +173,17 @@ class MakeConfig:
     eval_rows: int = 500
     hard_fraction: float = 0.5          # share of two/three-step problems
     label_noise: float = 0.0            # share of train responses whose final answer slips (a careless teacher)
+    python_share: float = 0.0           # share of train responses that compute in Python (environments.PythonTool)
     seed: int = 0
 
 
 def main(cfg: MakeConfig) -> None:
     eval_rows = gsm8k_style_rows(cfg.eval_rows, cfg.seed + 1, cfg.hard_fraction)
-    train_rows = gsm8k_style_rows(cfg.train_rows, cfg.seed, cfg.hard_fraction,
-                                  exclude={r["question"] for r in eval_rows}, label_noise=cfg.label_noise)
+    train_rows = gsm8k_style_rows(cfg.train_rows, cfg.seed, cfg.hard_fraction, exclude={r["question"] for r in eval_rows},
+                                  label_noise=cfg.label_noise, python_share=cfg.python_share)
+    if cfg.python_share:            # SFT's prompts are what the environment's episodes start with
+        for row in eval_rows + train_rows:
+            row["prompt"] = PythonTool().reset(row)
     cfg.out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", train_rows), ("eval", eval_rows)):
         (cfg.out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
