@@ -55,7 +55,7 @@ class SandboxConfig:
     cpu_seconds: int = 5                # RLIMIT_CPU per process: SIGKILL when used up
     memory_mb: int = 512                # RLIMIT_AS per process: allocations beyond it fail (MemoryError)
     file_size_mb: int = 16              # RLIMIT_FSIZE: every file written, stdout and stderr included
-    max_processes: int = 16             # RLIMIT_NPROC: processes of `user`, all concurrent calls together
+    max_processes: int = 16             # RLIMIT_NPROC: as root, processes of `user` on the machine (all calls at once)
     max_open_files: int = 64            # RLIMIT_NOFILE
     max_output_bytes: int = 4096        # kept of stdout, and of stderr
     workers: int = 8                    # calls that run_python_many runs at once
