@@ -385,8 +385,8 @@ def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles,
              accuracy: Callable[[list[str], list[dict]], list[float]] | None, sampled: bool) -> dict[str, float]:
     """Held-out accuracy of greedy decoding, and (`sampled`) of G samples per prompt at the training
     temperature: the reward GRPO maximises, which can rise while the most likely answer (greedy) stays. Each
-    policy rank takes its share of the rows. Episodes count as solved or not (`accuracy` None), with tool use
-    and turns."""
+    policy rank takes its share of the rows. Episodes count as solved or not (`accuracy` None), with tool use,
+    turns, and tool errors and timeouts per episode (a sandbox that cannot start calls shows there)."""
     set_phase("eval")
     me, P = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks)
     index = list(range(me, len(eval_rows), P))
@@ -396,7 +396,8 @@ def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles,
         if rollout.episode:         # an episode is solved when its return is positive
             sums = {"accuracy": (rollout.episode["return"] > 0).sum().item(),
                     "tool_use": (rollout.episode["tool_calls"] > 0).sum().item(),
-                    "turns": rollout.episode["turns"].sum().item()}
+                    "turns": rollout.episode["turns"].sum().item(),
+                    **{k: rollout.episode[k].sum().item() for k in ("tool_errors", "tool_timeouts")}}
         else:
             texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
             sums = {"accuracy": sum(accuracy(texts, [eval_rows[i] for i in rollout.row_ids]))}

@@ -31,7 +31,7 @@ def test_multi_turn_episodes_train_with_engine_logprob_parity_and_resume(tiny, t
         assert abs(ends - 1) < 1e-6
         assert m["reward/env"] > 0 and m["reward/digit_fraction"] >= 0
     assert sum(m["episode/end_env_error"] for m in metrics.values()) > 0     # counted; the run went on
-    assert {"eval/tool_use", "eval/tool_use_sampled"} <= set(metrics[STEPS])
+    assert {"eval/tool_use", "eval/tool_use_sampled", "eval/tool_errors", "eval/tool_timeouts"} <= set(metrics[STEPS])
 
     # resumed from the straight run's step-3 checkpoint (a stopped run's: test_grpo_e2e.py resumes one of those)
     run_script("train_grpo.py", [*grpo_args(tiny, resumed, *EPISODE_ARGS),
