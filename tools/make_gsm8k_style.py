@@ -6,11 +6,12 @@
 
 Rows look like GSM8K's: `question`, and `answer` = reasoning lines with calculator annotations, then
 `#### N` (`Tom pays 3*4 = $<<3*4=12>>12.\n#### 12`), so `gsm8k_correct`, `math_correct` and the GSM8K
-configs work on them unchanged. With `--python-share`, that share of the SFT responses computes in Python for
-environments.PythonTool instead (`<python>x1 = 3*4\nprint(x1)</python><output>12</output>\n#### 12`), and every
-row's `prompt` is the environment's first message. Five families (shopping, rates, ages, sharing, multi-step) come in a
+configs work on them unchanged. Five families (shopping, rates, ages, sharing, multi-step) come in a
 one-step and a two/three-step form with small whole numbers: SmolLM2-135M-Instruct solves some of them
 (GRPO needs groups with mixed rewards), not most. Deterministic by seed; no eval question is in train.
+With `--python-share`, that share of the SFT responses computes in Python for environments.PythonTool
+(`<python>x1 = 3*4\nprint(x1)</python><output>12</output>\n#### 12`), and every row's `prompt` is the
+environment's first message (`make run-smol-tool`).
 """
 
 import json
@@ -131,10 +132,10 @@ def python_trace(lines: list[str], answer: int) -> str:
     exact here), then the interpreter's output and the final answer."""
     code, values = [], {}
     for i, line in enumerate(lines, 1):
-        expr = re.search(r"<<(.+?)=\d+>>", line).group(1)
+        expr, value = re.search(r"<<(.+?)=(\d+)>>", line).groups()
         operands = re.split(r"([+\-*/])", expr)
         code.append(f"x{i} = " + "".join(values.get(part, part) for part in operands).replace("/", "//"))
-        values[re.search(r"=(\d+)>>", line).group(1)] = f"x{i}"
+        values[value] = f"x{i}"
     code.append(f"print(x{len(lines)})")
     return "<python>" + "\n".join(code) + f"</python><output>{answer}</output>\n#### {answer}"
 
@@ -179,8 +180,9 @@ class MakeConfig:
 
 def main(cfg: MakeConfig) -> None:
     eval_rows = gsm8k_style_rows(cfg.eval_rows, cfg.seed + 1, cfg.hard_fraction)
-    train_rows = gsm8k_style_rows(cfg.train_rows, cfg.seed, cfg.hard_fraction, exclude={r["question"] for r in eval_rows},
-                                  label_noise=cfg.label_noise, python_share=cfg.python_share)
+    train_rows = gsm8k_style_rows(cfg.train_rows, cfg.seed, cfg.hard_fraction,
+                                  exclude={r["question"] for r in eval_rows}, label_noise=cfg.label_noise,
+                                  python_share=cfg.python_share)
     if cfg.python_share:            # SFT's prompts are what the environment's episodes start with
         for row in eval_rows + train_rows:
             row["prompt"] = PythonTool().reset(row)
