@@ -31,7 +31,7 @@ from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, in
                               run_main, set_phase, wait_idle)
 from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check_kv_cache, engine_dtype,
                                generate, join_engine_groups)
-from forge_core.env import EnvConfig, load_env, run_episodes
+from forge_core.env import EnvConfig, load_env, run_episodes, stop_strings
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, export_hf, linear_kernel, load_model,
@@ -473,7 +473,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
                  ckpt: Checkpointer, policy, optim, sched) -> None:
     env_class = load_env(cfg.env)
     accuracy_name = cfg.rewards.accuracy or ("env" if env_class else function_names(cfg.rewards)[0])
-    tools = bool(getattr(env_class, "stop", []))         # tool calls are model turns that end at a stop string
+    tools = bool(stop_strings(env_class))
     console_keys = ("reward/mean", "reward/accuracy", "loss/kl", "completion/length", "episode/turns",
                     *(("episode/tool_calls",) if tools else ()), "perf/generate_tokens_per_s", "time/step",
                     "eval/accuracy", "eval/accuracy_sampled", *(("eval/tool_use",) if tools else ()))

@@ -41,7 +41,7 @@ from .data import chat_prompt_ids
 from .engine import SamplingConfig, sampled_logprobs, sampling_params, seeded_draws
 from .rollout import Rollout, pad_left, pad_right
 
-__all__ = ["EnvConfig", "END_REASONS", "load_env", "run_episodes"]
+__all__ = ["EnvConfig", "END_REASONS", "load_env", "stop_strings", "run_episodes"]
 
 END_REASONS = ("done", "max_turns", "budget", "env_error")
 
@@ -66,6 +66,11 @@ def load_env(cfg: EnvConfig) -> Callable[[], object] | None:
     return env_class
 
 
+def stop_strings(env_class) -> list[str]:
+    """The environment's optional `stop` strings: a model turn that ends at one is a tool call."""
+    return list(getattr(env_class, "stop", []))
+
+
 @dataclass
 class _Episode:
     env: object
@@ -85,7 +90,7 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
     episodes still running, then their environment steps in parallel. The Rollout's completion is everything
     after the first prompt; `episode` holds per-episode statistics (return, turns, tool calls, end reason)."""
     G = 1 if greedy else sampling.num_generations
-    stops = list(getattr(env_class, "stop", []))
+    stops = stop_strings(env_class)
     episodes = [_Episode(env_class(), []) for _ in rows for _ in range(G)]
     expanded_rows = [row for row in rows for _ in range(G)]
     tool_seconds = 0.0
