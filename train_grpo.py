@@ -14,7 +14,6 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterator, Literal
 
 if __name__ == "__main__":
@@ -24,7 +23,7 @@ import torch
 from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from torch import Tensor
 
-from forge_core.ckpt import CheckpointConfig, Checkpointer
+from forge_core.ckpt import CheckpointConfig, Checkpointer, export_path, finished_message, finished_run
 from forge_core.config import ForgeError, config_to_dict, load_config
 from forge_core.data import chat_prompt_ids, read_rows, require_fields, sample_indices
 from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, init_roles, release, role_ranks,
@@ -546,7 +545,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         last_step_end = step_end
     set_phase("export")
     if steps.stop == cfg.train.steps:
-        export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
+        export_dir = export_path(cfg.out_dir, cfg.export_dir)
         export_hf(policy, tokenizer, export_dir, roles.groups["policy"])
         log.print(f"exported {export_dir}")
     log.print(describe_accuracy(start_accuracy, accuracy_now, cfg, steps, len(eval_rows), tools))
@@ -608,13 +607,20 @@ def main() -> None:
 
     # Policy ranks load and shard the model and restore the checkpoint before the engine starts, so the
     # engine is built from (and synced with) the weights training continues from.
-    policy = optim = sched = ckpt = None
-    start_step = 0
+    policy = optim = sched = ckpt = path = None
+    start_step, export_dir = 0, export_path(cfg.out_dir, cfg.export_dir)
+    if roles.is_policy:
+        ckpt = Checkpointer(cfg.out_dir, cfg.ckpt, group=roles.groups["policy"])
+        path = ckpt.resume_path()
+    if exchange(finished_run(path, cfg.train.steps, export_dir))[0]:     # policy rank 0's answer
+        if roles.rank == 0:
+            print(finished_message("grpo", cfg.out_dir, cfg.train.steps, export_dir))
+        close_dist()
+        return
     if roles.is_policy:
         policy = shard(load_model(cfg.model), roles.policy_mesh, cfg.fsdp)
         optim, sched = build_optimizer(policy, cfg.optim, cfg.train.steps)
-        ckpt = Checkpointer(cfg.out_dir, cfg.ckpt, group=roles.groups["policy"])
-        if (path := ckpt.resume_path()) is not None:
+        if path is not None:
             meta = ckpt.load(path, policy, optim, cfg.train.steps)
             sched.load_state_dict(meta["scheduler"])
             start_step = meta["step"]

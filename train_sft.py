@@ -18,7 +18,7 @@ if __name__ == "__main__":
 import torch
 from pydantic import NonNegativeInt, PositiveInt
 
-from forge_core.ckpt import CheckpointConfig, Checkpointer
+from forge_core.ckpt import CheckpointConfig, Checkpointer, export_path, finished_message, finished_run
 from forge_core.config import ForgeError, config_to_dict, load_config
 from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, encode_sft, micro_batches,
                              read_rows, require_fields, sample_indices)
@@ -162,14 +162,20 @@ def main() -> None:
     cfg = load_config(SFTConfig)
     d = init_dist(cfg.dist)
     accum = accumulation_steps(cfg.train, d.world_size)
+    ckpt = Checkpointer(cfg.out_dir, cfg.ckpt)
+    path, export_dir = ckpt.resume_path(), export_path(cfg.out_dir, cfg.export_dir)
+    if finished_run(path, cfg.train.steps, export_dir):
+        if d.is_rank0:
+            print(finished_message("sft", cfg.out_dir, cfg.train.steps, export_dir))
+        close_dist()
+        return
     tokenizer = load_tokenizer(cfg.model)
     examples, eval_rows, truncated = load_examples(cfg.data, tokenizer)
     torch.manual_seed(cfg.train.seed)
     model = shard(load_model(cfg.model), d.mesh, cfg.fsdp)
     optim, sched = build_optimizer(model, cfg.optim, cfg.train.steps)
-    ckpt = Checkpointer(cfg.out_dir, cfg.ckpt)
     start_step = 0
-    if (path := ckpt.resume_path()) is not None:
+    if path is not None:
         meta = ckpt.load(path, model, optim, cfg.train.steps)
         sched.load_state_dict(meta["scheduler"])
         start_step = meta["step"]
@@ -215,7 +221,6 @@ def main() -> None:
             export_hf(model, tokenizer, Path(cfg.out_dir) / f"hf_step_{done:06d}")
     set_phase("export")
     if end_step == cfg.train.steps:
-        export_dir = cfg.export_dir or str(Path(cfg.out_dir) / "hf")
         export_hf(model, tokenizer, export_dir)
         log.print(f"exported {export_dir}")
     log.close()

@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from .config import ForgeError
 
-__all__ = ["CheckpointConfig", "Checkpointer", "first_on_any_rank", "publish_dir", "verify_checkpoint", "MANIFEST"]
+__all__ = ["CheckpointConfig", "Checkpointer", "export_path", "finished_message", "finished_run", "first_on_any_rank",
+           "publish_dir", "verify_checkpoint", "MANIFEST"]
 
 MANIFEST = "manifest.json"
 
@@ -222,6 +223,25 @@ class _Writer(FileSystemWriter):
         except BaseException as err:
             self.os_error = next((e for e in (err, err.__context__) if isinstance(e, OSError)), None)
             raise
+
+
+def export_path(out_dir: str, export_dir: str | None) -> Path:
+    """Where a run's final HF directory goes: `export_dir`, else `<out_dir>/hf`."""
+    return Path(export_dir) if export_dir else Path(out_dir) / "hf"
+
+
+def finished_run(checkpoint: Path | None, total_steps: int, export_dir: Path) -> bool:
+    """The checkpoint a run would resume from is its last step's and the weights were exported after it:
+    running again has nothing to do. (An export appears whole, by rename, or not at all; one older than the
+    checkpoint is of an earlier run in the same directory, and is done again.)"""
+    if checkpoint is None or json.loads((checkpoint / "meta.json").read_text())["step"] != total_steps:
+        return False
+    return export_dir.is_dir() and export_dir.stat().st_mtime >= checkpoint.stat().st_mtime
+
+
+def finished_message(script: str, out_dir: str, total_steps: int, export_dir: Path) -> str:
+    return (f"{script}: {out_dir} finished its {total_steps} steps and exported the model to {export_dir}: nothing "
+            "to do (raise --train.steps to train on, or give another --out_dir)")
 
 
 def publish_dir(tmp: Path, final: Path) -> None:

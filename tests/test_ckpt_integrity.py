@@ -1,7 +1,7 @@
 """Checkpoints that prove themselves: a damaged checkpoint (truncated, deleted or flipped shard) is named in one
 line and resume falls back past it; a write over the file-size limit ends the run with one line and leaves the
-previous checkpoint loadable; so does a failed export, and running again exports. Unit tests in one process (a gloo
-world of 1), then the tiny SFT job on 2 ranks."""
+previous checkpoint loadable; so does a failed export, and running again exports; running a finished run again
+does nothing. Unit tests in one process (a gloo world of 1), then the tiny SFT job on 2 ranks."""
 
 import os
 import re
@@ -18,7 +18,7 @@ from torch import nn
 
 from conftest import (REPO, assert_clean_error, assert_same_curve, read_metrics, run_script, script_command,
                       script_env, tiny_sft_args)
-from forge_core.ckpt import MANIFEST, CheckpointConfig, Checkpointer, verify_checkpoint
+from forge_core.ckpt import MANIFEST, CheckpointConfig, Checkpointer, finished_run, verify_checkpoint
 from forge_core.config import ForgeError
 from forge_core.model import export_hf
 
@@ -134,6 +134,19 @@ def test_an_export_over_the_file_size_limit_is_one_error_and_keeps_the_earlier_e
     assert {f.name: f.read_bytes() for f in out.iterdir()} == exported and not (tmp_path / "hf.tmp").exists()
 
 
+def test_a_run_is_finished_only_with_its_last_checkpoint_and_a_later_export(tmp_path):
+    checkpoint, export = tmp_path / "checkpoints" / "step_000004", tmp_path / "hf"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "meta.json").write_text('{"step": 4}')
+    assert not finished_run(None, 4, export) and not finished_run(checkpoint, 4, export)     # nothing exported
+    export.mkdir()
+    os.utime(checkpoint, (1e9, 1e9))
+    assert finished_run(checkpoint, 4, export)
+    assert not finished_run(checkpoint, 8, export)               # more steps asked for: train on
+    os.utime(export, (1e9 - 1, 1e9 - 1))
+    assert not finished_run(checkpoint, 4, export)               # an earlier run's export: export again
+
+
 # ---- the tiny SFT job, 2 ranks ----
 
 @pytest.fixture(scope="module")
@@ -189,7 +202,8 @@ def test_sft_checkpoint_write_over_the_file_size_limit_fails_cleanly_and_the_run
 
 def test_sft_export_that_fails_is_one_line_and_running_again_exports(tiny, straight, tmp_path):
     """The finished run's last checkpoint, an export directory that cannot be made: one line on a clean exit;
-    run again with a good one, it resumes at the last step and exports the straight run's weights."""
+    run again with a good one, it resumes at the last step and exports the straight run's weights; run a third
+    time, it says so and stops before loading the model."""
     checkpoints = checkpoints_of(straight, tmp_path, range(SFT_STEPS, SFT_STEPS + 1))
     blocked = tmp_path / "a_file" / "hf"
     blocked.parent.write_text("")
@@ -201,3 +215,7 @@ def test_sft_export_that_fails_is_one_line_and_running_again_exports(tiny, strai
     assert f"exported {tmp_path / 'hf'}" in again.stdout
     ours, straight_run = (load_file(d / "hf" / "model.safetensors") for d in (tmp_path, straight))
     assert ours.keys() == straight_run.keys() and all(torch.equal(ours[k], straight_run[k]) for k in ours)
+    finished = run_script("train_sft.py", tiny_sft_args(tiny, tmp_path, *ARGS), nproc=2)
+    assert finished.stdout.strip() == (f"sft: {tmp_path} finished its {SFT_STEPS} steps and exported the model to "
+                                       f"{tmp_path / 'hf'}: nothing to do (raise --train.steps to train on, or give "
+                                       "another --out_dir)")

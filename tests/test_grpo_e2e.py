@@ -135,8 +135,8 @@ def test_one_rank_bf16_policy_trains_and_syncs(tiny, tmp_path):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_replicated_policy_ranks_equal_sharded_ones_and_resume(tiny, tmp_path, precision):
     """`--fsdp.no_shard` (DDP: whole weights per rank, one gradient all-reduce per step) learns as FSDP does,
-    in fp32 also stopped and resumed from its checkpoint (which holds fp32 master weights in either precision);
-    micro-batches of two groups, dealt across the ranks by width."""
+    in fp32 also stopped and resumed from its checkpoint (which holds fp32 master weights in either precision),
+    and run again once finished; micro-batches of two groups, dealt across the ranks by width."""
     common = ("--train.steps", "4", "--layout.policy", "2", "--layout.reference", "0", "--layout.reward", "0",
               "--train.micro_batch_size", "16", "--fsdp.mixed_precision", precision, "--ckpt.save_every", "2")
     sharded = tmp_path / "sharded"
@@ -150,3 +150,7 @@ def test_replicated_policy_ranks_equal_sharded_ones_and_resume(tiny, tmp_path, p
     assert_same_curve(run, straight, range(1, 5), rel=1e-5 if precision == "fp32" else 1e-2)
     assert run[4]["eval/accuracy"] == pytest.approx(straight[4]["eval/accuracy"], abs=0.07)    # 16 rows
     assert (tmp_path / "replicated" / "hf" / "model.safetensors").exists()
+    if precision == "fp32":             # the finished run, again: it stops before loading the model
+        again = run_script("train_grpo.py", replicated, nproc=2)
+        assert f"grpo: {tmp_path / 'replicated'} finished its 4 steps" in again.stdout and "held-out" not in again.stdout
+        assert read_metrics(tmp_path / "replicated") == run
