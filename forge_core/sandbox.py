@@ -10,7 +10,8 @@ stdout/stderr to unlinked files (RLIMIT_FSIZE bounds them; the first `max_output
 and a fresh working directory that is removed afterwards. What holds:
 - As root: a PID namespace with its own /proc, a network namespace (a loopback that is down: "Network is
   unreachable"), and the code runs as uid/gid `cfg.user` with no supplementary groups and no_new_privs, so
-  file permissions and RLIMIT_NPROC apply to it.
+  file permissions and RLIMIT_NPROC apply to it. Its working directory has a random name in a directory that
+  it may pass through but not list, so calls that run at once cannot find each other's files.
 - Not root: the same namespaces inside a user namespace that maps only the caller (`unshare --user
   --map-current-user`: no capabilities inside either); needs unprivileged user namespaces, else `SandboxError`
   at the first call. The code keeps the caller's own file permissions; RLIMIT_NPROC counts per call.
@@ -83,9 +84,13 @@ def run_isolated(argv: list[str], cfg: SandboxConfig, stdin: bytes = b"") -> San
     """Run `argv` (its program must be executable by cfg.user) isolated and limited as the module docstring
     says, in a fresh working directory; return once no process it started is left."""
     command = [*_namespaces(), *_limits(cfg), *_drop_privileges(cfg), *argv]
-    with tempfile.TemporaryDirectory(prefix="forge-sandbox-") as workdir, tempfile.TemporaryFile() as input_file, \
+    with tempfile.TemporaryDirectory(prefix="forge-sandbox-") as hidden, tempfile.TemporaryFile() as input_file, \
             tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        # Concurrent calls run as the same uid: each working directory has a random name inside a directory that
+        # uid may pass through but not list, so no call can find another's files
+        workdir = tempfile.mkdtemp(dir=hidden)
         if os.geteuid() == 0:
+            os.chmod(hidden, 0o711)
             os.chown(workdir, cfg.user, cfg.user)
         input_file.write(stdin)
         input_file.seek(0)

@@ -157,6 +157,28 @@ print(os.stat(".").st_uid, os.listdir("."), os.getcwd())
     assert not Path(workdir.split()[-1]).exists()                         # and removed afterwards
 
 
+CROSS_CALL_PROBE = """
+import glob, os
+found = []
+for path in glob.glob("/tmp/forge-sandbox-*") + glob.glob("/tmp/forge-sandbox-*/*"):
+    if os.getcwd().startswith(path):
+        continue
+    try:
+        open(os.path.join(path, "planted.txt"), "w").write("x")
+        found.append(path)
+    except OSError:
+        pass
+print(found)
+"""
+
+
+def test_a_call_cannot_reach_the_working_directory_of_another_running_at_once():
+    """Calls of a turn run at once as the same uid; one episode's code must not plant files for another's."""
+    victim = "import os, time\ntime.sleep(2)\nprint(sorted(os.listdir('.')))"
+    slow, probe = run_python_many([victim, "import time\ntime.sleep(0.5)\n" + CROSS_CALL_PROBE], SandboxConfig())
+    assert (slow.stdout, probe.stdout) == ("[]\n", "[]\n"), (slow.observation(), probe.observation())
+
+
 def test_output_flood_is_truncated_and_returns_promptly():
     cfg = SandboxConfig(max_output_bytes=1000)
     result = run_python("while True: print('x' * 10000)", cfg)
