@@ -101,10 +101,7 @@ class PythonTool:
     (forge_core/sandbox.py: no network, limits, nothing outlives the call) -> `<output>84</output>`. Reward 1
     when the final message's answer (GSM8K extraction: `#### N`, \\boxed{}, or the last number) is the gold one."""
     stop = ["</python>"]
-    # As root every call runs as one uid, and RLIMIT_NPROC bounds that uid's processes on the whole machine: the
-    # budget must hold every policy rank's `env.workers` calls at once (2 x 16 in the SmolLM2 job; with 16, half
-    # of them failed to start). A fork bomb still stops there, and its processes die with its call.
-    sandbox = SandboxConfig(timeout_s=5.0, cpu_seconds=5, memory_mb=256, max_output_bytes=512, max_processes=256)
+    sandbox = SandboxConfig(timeout_s=5.0, cpu_seconds=5, memory_mb=256, max_output_bytes=512)
 
     instruction = ("Solve the problem. To compute, write Python between <python> and </python>; what it prints "
                    "comes back between <output> and </output>. End with the answer as #### N.\n\n")

@@ -4,38 +4,45 @@ after the call. Users' reward functions run in worker processes on the same term
     results = run_python_many(["print(2 + 2)", "while True: pass"], SandboxConfig(timeout_s=2))
     [r.observation() for r in results]          # ['4\n', '[timed out after 2.0s]\n']
 
-Each call (`run_isolated`) runs as `unshare --pid --fork --kill-child --mount-proc --net -- prlimit ... --
-setpriv ... -- ARGV` in a session of its own (`start_new_session`), with an empty environment, stdin from a file,
-stdout/stderr to unlinked files (RLIMIT_FSIZE bounds them; the first `max_output_bytes` of each are read back)
-and a fresh working directory that is removed afterwards. What holds:
+Each call (`run_isolated`) runs as `unshare --pid --fork --kill-child --mount-proc --net --ipc -- sh -c MOUNTS
+-- prlimit ... -- setpriv ... -- ARGV` in a session of its own (`start_new_session`), with an empty environment,
+stdin from a file and stdout/stderr to unlinked files (RLIMIT_FSIZE bounds them; the first `max_output_bytes` of
+each are read back). MOUNTS puts a tmpfs of `disk_mb` on /tmp, mounts the same one on /var/tmp, /dev/shm and
+/run/lock, and makes /tmp the working directory: everything the code writes there is its own, counts against
+`disk_mb` (then "No space left on device"), and is gone with the call's mount namespace. What holds:
 - As root: a PID namespace with its own /proc, a network namespace (a loopback that is down: "Network is
-  unreachable"), and the code runs as uid/gid `cfg.user` with no supplementary groups and no_new_privs, so
-  file permissions and RLIMIT_NPROC apply to it. Its working directory has a random name in a directory that
-  it may pass through but not list, so calls that run at once cannot find each other's files.
-- Not root: the same namespaces inside a user namespace that maps only the caller (`unshare --user
-  --map-current-user`: no capabilities inside either); needs unprivileged user namespaces, else `SandboxError`
-  at the first call. The code keeps the caller's own file permissions; RLIMIT_NPROC counts per call.
+  unreachable"), an IPC namespace, and the code runs with no supplementary groups and no_new_privs as a uid/gid
+  of its own: one of `first_user` .. `first_user + users - 1` that no other call on this machine runs as while it
+  runs (an flock on a file in a root-only directory holds it; a call waits while all are taken). So file
+  permissions apply, RLIMIT_NPROC counts this call's processes only, and calls that run at once share nothing.
+- Not root: the same namespaces inside a user namespace that maps only the caller, as its root
+  (`unshare --user --map-root-user`), which mounts the tmpfs and then runs the code with no capabilities (an
+  empty bounding set): uid 0 inside, the caller's file permissions outside; needs unprivileged user namespaces,
+  else `SandboxError` at the first call. RLIMIT_NPROC counts per call.
 - Either way: when the code's first process ends, or when the call times out and we kill it, the kernel
   kills every process left in its PID namespace, daemons that left the process group with setsid() included.
   That first process is the namespace's init (pid 1), so signals it sends itself without a handler are ignored.
-Not covered: files the code writes outside its working directory (e.g. /tmp) outlive the call; disk use is
-bounded per file only; as root, RLIMIT_NPROC counts every process of `cfg.user`, so concurrent calls share
-that budget (a call still starts when it is used up, but cannot fork); if the calling process itself is
-killed, a call in flight lives until its code ends (RLIMIT_CPU bounds busy code only).
+Not covered: other directories of the host that every user may write (a cluster's /scratch) stay writable, and
+files written there outlive the call; the tmpfs is memory, outside RLIMIT_AS; if the calling process itself is
+killed, a call in flight lives until its code ends (RLIMIT_CPU bounds busy code only), and its uid may be given to
+another call meanwhile.
 """
 
+import fcntl
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import cache
 from itertools import repeat
-from typing import BinaryIO
+from pathlib import Path
+from typing import BinaryIO, Iterator
 
 from .config import ForgeError
 
@@ -56,12 +63,14 @@ class SandboxConfig:
     cpu_seconds: int = 5                # RLIMIT_CPU per process: SIGKILL when used up
     memory_mb: int = 512                # RLIMIT_AS per process: allocations beyond it fail (MemoryError)
     file_size_mb: int = 16              # RLIMIT_FSIZE: every file written, stdout and stderr included
-    max_processes: int = 16             # RLIMIT_NPROC: as root, processes of `user` on the machine (all calls at once)
+    disk_mb: int = 64                   # the call's /tmp (a tmpfs, in memory): all it may write
+    max_processes: int = 16             # RLIMIT_NPROC: the call's processes
     max_open_files: int = 64            # RLIMIT_NOFILE
     max_output_bytes: int = 4096        # kept of stdout, and of stderr
     workers: int = 8                    # calls that run_python_many runs at once
-    python: str = "/usr/bin/python3"    # must be executable by `user`: a venv under /root is not
-    user: int = 65534                   # uid and gid the code runs as when we are root (nobody)
+    python: str = "/usr/bin/python3"    # must be executable by any user: a venv under /root is not
+    first_user: int = 60000             # as root, each call runs as its own uid/gid of first_user .. + users - 1
+    users: int = 1000                   # (isolate's range for its boxes); calls at once beyond that wait
 
 
 @dataclass
@@ -81,21 +90,15 @@ class SandboxResult:
 
 
 def run_isolated(argv: list[str], cfg: SandboxConfig, stdin: bytes = b"") -> SandboxResult:
-    """Run `argv` (its program must be executable by cfg.user) isolated and limited as the module docstring
-    says, in a fresh working directory; return once no process it started is left."""
-    command = [*_namespaces(), *_limits(cfg), *_drop_privileges(cfg), *argv]
-    with tempfile.TemporaryDirectory(prefix="forge-sandbox-") as hidden, tempfile.TemporaryFile() as input_file, \
-            tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        # Concurrent calls run as the same uid: each working directory has a random name inside a directory that
-        # uid may pass through but not list, so no call can find another's files
-        workdir = tempfile.mkdtemp(dir=hidden)
-        if os.geteuid() == 0:
-            os.chmod(hidden, 0o711)
-            os.chown(workdir, cfg.user, cfg.user)
+    """Run `argv` (its program must be executable by any user) isolated and limited as the module docstring
+    says, in a fresh /tmp; return once no process it started is left."""
+    with _own_user(cfg) as uid, tempfile.TemporaryFile() as input_file, tempfile.TemporaryFile() as out, \
+            tempfile.TemporaryFile() as err:
+        command = [*_namespaces(), *_private_tmp(cfg.disk_mb, uid), *_limits(cfg), *_drop_privileges(uid), *argv]
         input_file.write(stdin)
         input_file.seek(0)
         start = time.perf_counter()
-        proc = subprocess.Popen(command, cwd=workdir, env={}, stdin=input_file, stdout=out, stderr=err,
+        proc = subprocess.Popen(command, cwd="/", env={}, stdin=input_file, stdout=out, stderr=err,
                                 start_new_session=True)
         timed_out = _wait_or_kill(proc, cfg.timeout_s)
         seconds = time.perf_counter() - start
@@ -116,20 +119,68 @@ def run_python_many(codes: list[str], cfg: SandboxConfig) -> list[SandboxResult]
         return list(pool.map(run_python, codes, repeat(cfg)))
 
 
-# ---- the command: namespaces, then limits, then the unprivileged user ----
+# ---- the command: namespaces, a private /tmp, then limits, then the unprivileged user ----
 
 @cache
 def _namespaces() -> tuple[str, ...]:
-    """`unshare` into new PID (own /proc), mount and network namespaces, tried once: fail loudly, never run bare."""
-    user_namespace = () if os.geteuid() == 0 else ("--user", "--map-current-user")
-    command = (_tool("unshare"), *user_namespace, "--pid", "--fork", "--kill-child", "--mount-proc", "--net", "--")
-    probe = subprocess.run([*command, _tool("true")], capture_output=True, text=True)
+    """`unshare` into new PID (own /proc), mount, network and IPC namespaces, tried once with the private /tmp:
+    fail loudly, never run bare."""
+    user_namespace = () if os.geteuid() == 0 else ("--user", "--map-root-user")
+    command = (_tool("unshare"), *user_namespace, "--pid", "--fork", "--kill-child", "--mount-proc", "--net",
+               "--ipc", "--")
+    probe = subprocess.run([*command, *_private_tmp(1, None), _tool("true")], capture_output=True, text=True)
     if probe.returncode != 0:
         raise SandboxError(f"sandbox error: cannot create namespaces as uid {os.geteuid()} "
                            f"({probe.stderr.strip()}); run as root or allow unprivileged user namespaces")
     if not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"):
         raise SandboxError("sandbox error: this kernel has no /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN)")
     return command
+
+
+SHARED_WRITABLE = ("/var/tmp", "/dev/shm", "/run/lock")     # besides /tmp, where every user may write
+
+
+def _private_tmp(disk_mb: int, uid: int | None) -> list[str]:
+    """Inside the namespaces, still privileged there: a tmpfs on /tmp, on the other shared writable directories and
+    as the working directory, owned by the code's uid; then the rest of the command."""
+    mount, owner = _tool("mount"), f",uid={uid},gid={uid}" if uid is not None else ""
+    steps = [f"{mount} -t tmpfs -o size={disk_mb}m,mode=0700,nosuid,nodev{owner} tmpfs /tmp",
+             *(f"{mount} --bind /tmp {path}" for path in SHARED_WRITABLE if os.path.isdir(path)),
+             "cd /tmp", "unset OLDPWD PWD", 'exec "$@"']
+    return [_tool("sh"), "-c", " && ".join(steps), "sh"]
+
+
+@contextmanager
+def _own_user(cfg: SandboxConfig) -> Iterator[int | None]:
+    """As root: a uid of cfg's range that no other call on this machine (any process) runs as now, held by an
+    flock for the call; it is free again only once the call's last process is gone. Not root: None (the
+    caller's own user namespace is the call's)."""
+    if os.geteuid() != 0:
+        yield None
+        return
+    locks = _user_locks()
+    while True:
+        for uid in range(cfg.first_user, cfg.first_user + cfg.users):
+            with open(locks / str(uid), "a") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                yield uid
+                return
+        time.sleep(0.01)
+
+
+@cache
+def _user_locks() -> Path:
+    """The files whose flocks hold the calls' uids: in a directory that only root may enter or change."""
+    path = Path(tempfile.gettempdir()) / "forge-sandbox-users"
+    with suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o077:
+        raise SandboxError(f"sandbox error: {path} must be a directory of root's that only root may enter")
+    return path
 
 
 def _limits(cfg: SandboxConfig) -> list[str]:
@@ -141,10 +192,12 @@ def _limits(cfg: SandboxConfig) -> list[str]:
             f"--nofile={cfg.max_open_files}", "--core=0", "--"]
 
 
-def _drop_privileges(cfg: SandboxConfig) -> list[str]:
+def _drop_privileges(uid: int | None) -> list[str]:
     # Changing uid clears unshare's --kill-child (PR_SET_PDEATHSIG): _wait_or_kill kills the init itself.
-    uid = [f"--reuid={cfg.user}", f"--regid={cfg.user}", "--clear-groups"] if os.geteuid() == 0 else []
-    return [_tool("setpriv"), *uid, "--no-new-privs", "--"]
+    # Not root, the code runs as root of its user namespace: an empty bounding set leaves it no capabilities.
+    user = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None \
+        else ["--bounding-set=-all", "--inh-caps=-all"]
+    return [_tool("setpriv"), *user, "--no-new-privs", "--"]
 
 
 def _tool(name: str) -> str:
