@@ -22,10 +22,9 @@ each are read back). MOUNTS puts a tmpfs of `disk_mb` on /tmp, mounts the same o
 - Either way: when the code's first process ends, or when the call times out and we kill it, the kernel
   kills every process left in its PID namespace, daemons that left the process group with setsid() included.
   That first process is the namespace's init (pid 1), so signals it sends itself without a handler are ignored.
+  When the calling process is killed, its calls in flight die with it (PR_SET_PDEATHSIG at both ends).
 Not covered: other directories of the host that every user may write (a cluster's /scratch) stay writable, and
-files written there outlive the call; the tmpfs is memory, outside RLIMIT_AS; if the calling process itself is
-killed, a call in flight lives until its code ends (RLIMIT_CPU bounds busy code only), and its uid may be given to
-another call meanwhile.
+files written there outlive the call; the tmpfs is memory, outside RLIMIT_AS.
 """
 
 import fcntl
@@ -94,7 +93,8 @@ def run_isolated(argv: list[str], cfg: SandboxConfig, stdin: bytes = b"") -> San
     says, in a fresh /tmp; return once no process it started is left."""
     with _own_user(cfg) as uid, tempfile.TemporaryFile() as input_file, tempfile.TemporaryFile() as out, \
             tempfile.TemporaryFile() as err:
-        command = [*_namespaces(), *_private_tmp(cfg.disk_mb, uid), *_limits(cfg), *_drop_privileges(uid), *argv]
+        command = [*_dies_with_caller(), *_namespaces(), *_private_tmp(cfg.disk_mb, uid), *_limits(cfg),
+                   *_drop_privileges(uid), *argv]
         input_file.write(stdin)
         input_file.seek(0)
         start = time.perf_counter()
@@ -192,12 +192,18 @@ def _limits(cfg: SandboxConfig) -> list[str]:
             f"--nofile={cfg.max_open_files}", "--core=0", "--"]
 
 
+def _dies_with_caller() -> list[str]:
+    # unshare gets SIGKILL when the thread that started it ends (the caller killed), and the code (below) when
+    # unshare does; the kernel then kills the rest of the PID namespace, and the call's uid is free for another
+    return [_tool("setpriv"), "--pdeathsig=KILL", "--"]
+
+
 def _drop_privileges(uid: int | None) -> list[str]:
-    # Changing uid clears unshare's --kill-child (PR_SET_PDEATHSIG): _wait_or_kill kills the init itself.
+    # Changing uid clears unshare's --kill-child (PR_SET_PDEATHSIG), which setpriv sets again after it.
     # Not root, the code runs as root of its user namespace: an empty bounding set leaves it no capabilities.
     user = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None \
         else ["--bounding-set=-all", "--inh-caps=-all"]
-    return [_tool("setpriv"), *user, "--no-new-privs", "--"]
+    return [_tool("setpriv"), *user, "--no-new-privs", "--pdeathsig=KILL", "--"]
 
 
 def _tool(name: str) -> str:

@@ -9,6 +9,7 @@ import os
 import resource
 import socket
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
@@ -123,6 +124,23 @@ while not os.path.exists("started"):
     result = run_python(code, SandboxConfig(timeout_s=1.0))
     assert result.timed_out == (then != "pass") and result.stdout == "daemon started\n"
     assert processes_of(SANDBOX_USERS) == []     # the daemon too, at once
+
+
+def test_a_call_dies_with_its_caller():
+    """A rank killed with SIGKILL (kill -9, the OOM killer) takes its calls in flight with it: before, sleeping
+    code lived on as an orphan until it woke, holding its uid."""
+    caller = subprocess.Popen([sys.executable, "-c", "from forge_core.sandbox import SandboxConfig, run_python\n"
+                               "run_python('import time\\ntime.sleep(60)', SandboxConfig(timeout_s=60))"], cwd=REPO)
+    deadline = time.monotonic() + 30
+    while not processes_of(SANDBOX_USERS) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_of(SANDBOX_USERS), "the call did not start"
+    caller.kill()
+    caller.wait()
+    deadline = time.monotonic() + 5
+    while processes_of(SANDBOX_USERS) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_of(SANDBOX_USERS) == []
 
 
 def test_writes_outside_the_working_directory_are_refused():
