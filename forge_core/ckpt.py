@@ -4,12 +4,17 @@ Layout under `<out_dir>/checkpoints/`: `step_000040/` holds the DCP shards of mo
 `rng_rank{r}.pt` per rank, `meta.json` (step, scheduler, data position, ...) and, written last, `manifest.json`
 (every file's size and sha256). It is written as `step_000040.tmp/` and renamed when complete: the rename makes
 it appear whole, the manifest proves its bytes. Resume names a damaged one's file and falls back past it.
+
+A checkpoint can also be asked for: when the file named by $FORGE_CHECKPOINT_REQUEST appears (slurm/launch.sh
+creates it on SLURM's warning before the time limit, `#SBATCH --signal=B:USR1@300`), the ranks save at the end
+of the step they are in, and under SLURM rank 0 then requeues the job, which resumes from that checkpoint.
 """
 
 import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +53,7 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.group_rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
+        self.request = os.environ.get("FORGE_CHECKPOINT_REQUEST")     # the same on every rank (srun passes it on)
 
     def resume_path(self) -> Path | None:
         """The checkpoint to resume from, checked against its manifest; the same answer on every rank."""
@@ -71,9 +77,19 @@ class Checkpointer:
         return None
 
     def maybe_save(self, step: int, total_steps: int, model, optim, meta: dict[str, Any]) -> Path | None:
-        if step == total_steps or (self.cfg.save_every and step % self.cfg.save_every == 0):
-            return self.save(step, model, optim, meta)
+        requested = self._requested()
+        if requested or step == total_steps or (self.cfg.save_every and step % self.cfg.save_every == 0):
+            path = self.save(step, model, optim, meta)
+            if requested and self.group_rank == 0:
+                _answer_request(self.request, path)
+            return path
         return None
+
+    def _requested(self) -> bool:
+        """Whether the request file exists, as group rank 0 sees it (on a shared disk, so any rank could look)."""
+        if self.request is None:
+            return False
+        return self._all_gather(self.group_rank == 0 and os.path.exists(self.request))[0]
 
     def save(self, step: int, model, optim, meta: dict[str, Any]) -> Path:
         """DCP shards, per-rank RNG and meta.json into a tmp dir; every rank checksums its share of the files;
@@ -169,6 +185,18 @@ def first_on_any_rank(message: str | None, group: dist.ProcessGroup | None) -> s
     messages = [None] * dist.get_world_size(group)
     dist.all_gather_object(messages, message, group=group)
     return next((m for m in messages if m is not None), None)
+
+
+def _answer_request(request: str, saved: Path) -> None:
+    """After the requested checkpoint: under SLURM, `scontrol requeue` ends this job and queues it again, and the
+    new run resumes from `saved`; elsewhere (a request file touched by hand) the run goes on."""
+    os.unlink(request)
+    job = os.environ.get("SLURM_JOB_ID")
+    print(f"checkpoint {saved} saved on request" + (f"; requeueing SLURM job {job}" if job else ""), flush=True)
+    if job is not None:
+        proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"scontrol requeue {job} failed: {proc.stderr.strip()}; the job goes on", file=sys.stderr)
 
 
 def verify_checkpoint(path: Path, share: int = 0, shares: int = 1) -> str | None:

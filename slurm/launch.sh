@@ -41,6 +41,12 @@ export PYTHONUNBUFFERED=1
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 export LOGLEVEL=${LOGLEVEL:-INFO}               # torchrun's own log: rendezvous, failures, "will restart worker group"
 
+# SLURM's warning before the time limit (the wrappers' `--signal=B:USR1@300`, to this shell) asks the ranks for a
+# checkpoint at the end of their step (forge_core/ckpt.py); rank 0 then requeues the job, which resumes from it.
+mkdir -p logs
+export FORGE_CHECKPOINT_REQUEST=$PWD/logs/checkpoint-request-$SLURM_JOB_ID
+rm -f "$FORGE_CHECKPOINT_REQUEST"
+trap 'echo "launch: SIGUSR1, asking for a checkpoint"; touch "$FORGE_CHECKPOINT_REQUEST"' USR1
 echo "launch: job $SLURM_JOB_ID, $SLURM_NNODES node(s) x $nproc rank(s) ($gpus GPU(s) per node)," \
      "rendezvous $head_node:$RDZV_PORT, max restarts ${MAX_RESTARTS:-3}: $script --config $config $*"
 # --ntasks overrides an inherited SLURM_NTASKS (e.g. a user's --ntasks-per-node=8): one agent per node.
@@ -49,4 +55,8 @@ srun --nodes="$SLURM_NNODES" --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --kill
         --nnodes="$SLURM_NNODES" --nproc_per_node="$nproc" \
         --rdzv_backend=c10d --rdzv_endpoint="$head_node:$RDZV_PORT" --rdzv_id="$SLURM_JOB_ID" \
         --max_restarts="${MAX_RESTARTS:-3}" \
-        "$script" --config "$config" "$@"
+        "$script" --config "$config" "$@" &
+step=$!
+# In the background, so that the trap runs at once: a signal ends `wait` early (status > 128), the step goes on.
+until wait "$step"; status=$?; ! kill -0 "$step" 2>/dev/null; do :; done
+exit "$status"

@@ -254,6 +254,37 @@ def test_killed_rank_restarts_from_its_checkpoint(slurm, tiny, grpo_job, tmp_pat
             assert restarted[step][key] == pytest.approx(straight[step][key], rel=1e-5, abs=1e-7), (step, key)
 
 
+def test_the_warning_before_the_time_limit_saves_and_requeues(slurm, tiny, grpo_job, tmp_path):
+    """SLURM's warning before the time limit (the wrappers' `--signal=B:USR1@300`; here sent by scancel while the
+    ranks start): they save at the end of their first step though no checkpoint was due, rank 0 requeues the
+    job, and the requeued run resumes from that step and reproduces the uninterrupted run."""
+    args = slurm_grpo_args(tiny, tmp_path)
+    args[args.index("--ckpt.save_every") + 1] = "0"           # only the final checkpoint was due
+    job_id = slurm.submit("slurm/grpo.sh", ["configs/grpo/tiny.yaml", *args], f"--output={slurm.root}/jobs/%x-%j.out")
+    log, deadline = Path(slurm.job(job_id)["StdOut"]), time.time() + 120
+    while not (log.is_file() and "launch: job" in log.read_text()):      # printed once the shell traps USR1
+        assert time.time() < deadline, f"the job did not start\n{log_tail(slurm.job(job_id))}"
+        time.sleep(0.2)
+    slurm.cmd("scancel", "--batch", "--signal=USR1", job_id)
+    while (job := slurm.job(job_id))["JobState"] != "PENDING":      # requeued
+        assert time.time() < deadline + 120 and job["JobState"] not in DONE, log_tail(job)
+        time.sleep(0.2)
+    slurm.cmd("scontrol", "update", f"JobId={job_id}", "StartTime=now")   # SLURM holds a requeued job for 120 s
+
+    job = slurm.wait(job_id)
+    assert_completed(job)
+    assert job["Restarts"] == "1", log_tail(job)
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert checkpoints == ["step_000001", f"step_{GRPO_STEPS:06d}"], (checkpoints, log_tail(job))
+    assert "held-out accuracy at step 1:" in Path(job["StdOut"]).read_text(), log_tail(job)
+    straight, requeued = read_metrics(grpo_job[1]), read_metrics(tmp_path)
+    assert sorted(requeued) == list(range(1, GRPO_STEPS + 1))
+    for step in range(2, GRPO_STEPS + 1):
+        for key in ("reward/mean", "loss/entropy", "train/grad_norm"):
+            assert requeued[step][key] == pytest.approx(straight[step][key], rel=1e-5, abs=1e-7), (step, key)
+    assert not list((REPO / "logs").glob(f"checkpoint-request-{job_id}")), "the request outlived the checkpoint"
+
+
 def policy_rank(out_dir: Path) -> int:
     """The pid of the job's rank 0: a torchrun worker (`python -u train_grpo.py ... --out_dir <out_dir>`, RANK=0
     in its environment), not the torchrun agent or srun, whose command lines name the script too."""
