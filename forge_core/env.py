@@ -21,7 +21,10 @@ trainer but carry no loss. How an observation is appended depends on how the mod
 - at EOS (its message is finished): as the next chat message (role `env.observation_role`, default "user"),
   rendered with the tokenizer's chat template, followed by the assistant header.
 An episode ends when `step` says done, after `max_turns` model turns, when its tokens reach
-`max_episode_tokens`, or when `step` raises (reward 0, counted): `end_reason` records which.
+`max_episode_tokens`, or on an environment error: `end_reason` records which. Environments are user code, so
+an error costs its episode (reward 0, counted as `env_error`), never the run: a `reset` or `step` that raises
+(the first of each kind is printed, once per rank), a reward that is not a finite number, and a turn's calls
+that have not returned after `env.timeout_s` (their threads are left behind: Python cannot stop them).
 
 Environments run on the policy ranks, beside their engine: every turn needs its observations before the next
 `generate`, so the engine waits for them wherever they are computed; here they cost no collective. The steps of
@@ -29,8 +32,10 @@ one turn run in a thread pool, so slow tools (a sandboxed subprocess releases th
 Optional attributes an environment may count, summed into the step's metrics: `tool_errors`, `tool_timeouts`.
 """
 
+import math
+import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -53,6 +58,7 @@ class EnvConfig:
     max_episode_tokens: int = 128       # model + observation tokens after the prompt
     max_observation_tokens: int = 32    # an observation is cut to this many tokens
     workers: int = 16                   # environment steps of one turn that run at once
+    timeout_s: float = 60.0             # a turn's resets or steps not back by then end their episodes (env_error)
 
 
 def load_env(cfg: EnvConfig) -> Callable[[], object] | None:
@@ -94,10 +100,15 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
     episodes = [_Episode(env_class(), []) for _ in rows for _ in range(G)]
     expanded_rows = [row for row in rows for _ in range(G)]
     tool_seconds = 0.0
-    with ThreadPoolExecutor(cfg.workers) as pool:
-        firsts = list(pool.map(lambda e, row: e.env.reset(row), episodes, expanded_rows))
+    pool = ThreadPoolExecutor(cfg.workers)
+    try:
+        firsts = _calls(pool, _reset, episodes, expanded_rows, cfg.timeout_s)
+        if all(first is None for first in firsts):
+            raise ForgeError(f"env error: every {env_class.__name__}.reset of a batch failed (why: the line above)")
         for episode, first in zip(episodes, firsts):
-            episode.prompt_ids = chat_prompt_ids(tokenizer, first)
+            episode.prompt_ids = chat_prompt_ids(tokenizer, "" if first is None else first)
+            if first is None:
+                episode.end_reason = "env_error"
         for turn in range(cfg.max_turns):
             running = [e for e in episodes if e.end_reason is None]
             if not running:
@@ -110,10 +121,12 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
                                           use_tqdm=False)
             actions = [_take_turn(e, out.outputs[0], tokenizer, stops) for e, out in zip(running, outputs)]
             t0 = time.perf_counter()
-            results = list(pool.map(_step, running, actions))
+            results = _calls(pool, _step, running, actions, cfg.timeout_s)
             tool_seconds += time.perf_counter() - t0
             for episode, result, (_, at_eos) in zip(running, results, actions):
                 _answer(episode, result, at_eos, turn, tokenizer, cfg)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)      # a call that never returns keeps only its thread
     return _to_rollout(episodes, row_ids, G, tokenizer.pad_token_id, tool_seconds)
 
 
@@ -130,13 +143,48 @@ def _take_turn(episode: _Episode, sample, tokenizer, stops: list[str]) -> tuple[
     return sample.text, bool(ids) and ids[-1] == tokenizer.eos_token_id
 
 
+def _calls(pool: ThreadPoolExecutor, call, episodes: list[_Episode], args: list, timeout_s: float) -> list:
+    """`call(episode, arg)` for each episode in the pool, in order; None for a call not back after timeout_s."""
+    futures = [pool.submit(call, episode, arg) for episode, arg in zip(episodes, args)]
+    done, late = wait(futures, timeout=timeout_s)
+    if late:
+        _env_error("timeout", f"{len(late)} environment call(s) not back after env.timeout_s={timeout_s:g} s")
+    return [f.result() if f in done else None for f in futures]
+
+
+def _reset(episode: _Episode, row: dict) -> str | None:
+    """The environment's first message; None when its reset raised."""
+    try:
+        return str(episode.env.reset(row))
+    except Exception as err:
+        name, error = type(episode.env).__name__, type(err).__name__
+        _env_error(f"reset {error}", f"{name}.reset raised {error}: {err}")
+        return None
+
+
 def _step(episode: _Episode, action: tuple[str, bool]) -> tuple[str, float, bool] | None:
-    """The environment's answer; None when its step raised (user code must not end the run)."""
+    """The environment's answer; None when its step raised or its reward is not a finite number."""
+    name = type(episode.env).__name__
     try:
         observation, reward, done = episode.env.step(action[0])
-        return str(observation), float(reward), bool(done)
-    except Exception:
+        reward = float(reward)
+    except Exception as err:
+        _env_error(f"step {type(err).__name__}", f"{name}.step raised {type(err).__name__}: {err}")
         return None
+    if not math.isfinite(reward):
+        _env_error("reward", f"{name}.step returned the reward {reward}")
+        return None
+    return str(observation), reward, bool(done)
+
+
+_reported: set[str] = set()
+
+
+def _env_error(kind: str, what: str) -> None:
+    """Say what went wrong the first time it does on this rank (not once per episode)."""
+    if kind not in _reported:
+        _reported.add(kind)
+        print(f"env: {what}; such episodes end as env_error (said once)", file=sys.stderr, flush=True)
 
 
 def _answer(episode: _Episode, result, at_eos: bool, turn: int, tokenizer, cfg: EnvConfig) -> None:

@@ -1,5 +1,7 @@
 """User-written environments, loaded by path (`env.name: "tests/envs_for_tests.py:NAME"`)."""
 
+import time
+
 
 class Chatter:
     """Answers every model turn, so a random model's episodes have observations of both kinds: a turn that ends
@@ -21,3 +23,33 @@ class Chatter:
 class NoStep:
     def reset(self, row: dict) -> str:
         return row["prompt"]
+
+
+class StopAtST:
+    """Its stop string, `st`, falls inside tokens of the tiny tokenizer (`sta`, `start`, `assistant`), as SmolLM2's
+    `</python>` ends inside `><`; keeps every action it sees."""
+    stop = ["st"]
+    actions: list[str] = []         # every instance's, in order
+
+    def reset(self, row: dict) -> str:
+        return row["prompt"]
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        StopAtST.actions.append(action)
+        return "ok", 0.0, False
+
+
+class Unreliable:
+    """Fails as user code can, by row (`n+n=`): reset raises for n % 4 == 1, step never returns for n % 4 == 2
+    and returns a NaN reward for n % 4 == 3; the other episodes end at once with reward 1."""
+
+    def reset(self, row: dict) -> str:
+        self.n = int(row["prompt"].split("+")[0])
+        if self.n % 4 == 1:
+            raise KeyError("question")
+        return row["prompt"]
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        if self.n % 4 == 2:
+            time.sleep(3600)
+        return "", float("nan") if self.n % 4 == 3 else 1.0, True

@@ -1,12 +1,14 @@
 """Multi-turn pieces without an engine: observation tokens carry no loss, the calculator never evaluates code,
-an observation is appended inline or as the template's next message, and a bad environment is a one-line error."""
+an observation is appended inline or as the template's next message, and a bad environment (its name, or
+resets that all fail) is a one-line error."""
 
 import pytest
 import torch
 
 from environments import Calculator, GuessNumber, PythonTool, calculate
 from forge_core.config import ForgeError
-from forge_core.env import EnvConfig, _observation_ids, load_env
+from forge_core.engine import SamplingConfig
+from forge_core.env import EnvConfig, _observation_ids, load_env, run_episodes
 from forge_core.rollout import Rollout
 from train_grpo import LossConfig, grpo_loss
 
@@ -86,6 +88,13 @@ def test_observation_is_inline_or_the_templates_next_message(tiny):
     assert tokenizer.decode(message) == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
     cut = _observation_ids(tokenizer, "123456789", new_message=False, role="user", max_tokens=4)
     assert tokenizer.decode(cut) == "1234"
+
+
+def test_an_environment_whose_every_reset_fails_is_one_line():
+    """Nothing to play (resets come before the engine is used): the run ends with one line, not empty rollouts."""
+    env_class = load_env(EnvConfig(name="tests/envs_for_tests.py:Unreliable"))
+    with pytest.raises(ForgeError, match=r"^env error: every Unreliable.reset of a batch failed \(why: the line"):
+        run_episodes(None, None, env_class, [{"prompt": "1+1="}] * 2, [0, 1], SamplingConfig(), EnvConfig(), seed=0)
 
 
 def test_a_bad_environment_name_is_one_line():
