@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from pydantic import PositiveFloat, PositiveInt
 
 from .config import ForgeError, import_symbol
 from .data import chat_prompt_ids
@@ -53,12 +54,12 @@ END_REASONS = ("done", "max_turns", "budget", "env_error")
 
 @dataclass
 class EnvConfig:
-    name: str | None = None             # "environments.py:Calculator", "my_env.py:Maze"; None = single-turn
-    max_turns: int = 4                  # model turns per episode
-    max_episode_tokens: int = 128       # model + observation tokens after the prompt
-    max_observation_tokens: int = 32    # an observation is cut to this many tokens
-    workers: int = 16                   # environment steps of one turn that run at once
-    timeout_s: float = 60.0             # a turn's resets or steps not back by then end their episodes (env_error)
+    name: str | None = None                     # "environments.py:Calculator", "my_env.py:Maze"; None = single-turn
+    max_turns: PositiveInt = 4                  # model turns per episode
+    max_episode_tokens: PositiveInt = 128       # model + observation tokens after the prompt
+    max_observation_tokens: PositiveInt = 32    # an observation is cut to this many tokens
+    workers: PositiveInt = 16                   # environment steps of one turn that run at once
+    timeout_s: PositiveFloat = 60.0             # a turn's resets or steps not back by then end their episodes
 
 
 def load_env(cfg: EnvConfig) -> Callable[[], object] | None:
