@@ -1,8 +1,9 @@
-"""A torchrun program (1 rank) for tests/test_agentic.py: episodes of a test environment on the tiny model's real
-engine, 16 prompts x 8; prints, as JSON, the actions the environment saw (when it keeps them), the episodes' end
-reasons and returns, their tool calls, the sampled tokens that ran past a stop string, and the seconds it took.
+"""A torchrun program (1 rank) for tests/test_agentic.py: episodes of test environments on the tiny model's real
+engine, 16 prompts x 8 each, in one launch; prints, as one JSON line per environment, the actions it saw (when
+it keeps them), the episodes' end reasons and returns, their tool calls, the sampled tokens that ran past a stop
+string, and the seconds it took. Every turn's steps run at once and are given up on after 3 s.
 
-    torchrun --standalone --nproc_per_node 1 tests/episodes_check.py MODEL_DIR ENV [TIMEOUT_S WORKERS]
+    torchrun --standalone --nproc_per_node 1 tests/episodes_check.py MODEL_DIR ENV [ENV ...]
 """
 
 import json
@@ -15,27 +16,28 @@ from forge_core.env import END_REASONS, EnvConfig, load_env, run_episodes, stop_
 from forge_core.model import ModelConfig, load_tokenizer
 
 
-def main(model_dir: str, env_name: str, timeout_s: float = 60.0, workers: int = 16) -> None:
+def main(model_dir: str, env_names: list[str]) -> None:
     init_roles(Layout(policy=1, reference=0, reward=0))
     tokenizer = load_tokenizer(ModelConfig(path=model_dir))
     engine = build_engine(model_dir, EngineConfig(), seed=0)
-    cfg = EnvConfig(name=env_name, max_turns=2, timeout_s=timeout_s, workers=workers)
-    env_class = load_env(cfg)
     rows = [{"prompt": f"{n}+{n}="} for n in range(16)]
-    start = time.perf_counter()
-    rollout = run_episodes(engine, tokenizer, env_class, rows, list(range(16)),
-                           SamplingConfig(num_generations=8, max_tokens=16), cfg, seed=0)
-    seconds = time.perf_counter() - start
-    sampled = rollout.completion_ids[rollout.model_mask.bool()].tolist()
-    tokens = [tokenizer.decode([t], skip_special_tokens=True) for t in sampled]
-    stops = stop_strings(env_class)
-    print(json.dumps({"actions": getattr(env_class, "actions", []), "seconds": seconds,
-                      "end_reasons": {r: int(rollout.episode[f"end_{r}"].sum()) for r in END_REASONS},
-                      "returns": rollout.episode["return"].tolist(),
-                      "tool_calls": rollout.episode["tool_calls"].sum().item(),
-                      "past_stop": [t for t in tokens if any(s in t and not t.endswith(s) for s in stops)]}))
+    for name in env_names:
+        cfg = EnvConfig(name=name, max_turns=2, timeout_s=3.0, workers=len(rows) * 8)
+        env_class = load_env(cfg)
+        start = time.perf_counter()
+        rollout = run_episodes(engine, tokenizer, env_class, rows, list(range(16)),
+                               SamplingConfig(num_generations=8, max_tokens=16), cfg, seed=0)
+        seconds = time.perf_counter() - start
+        sampled = rollout.completion_ids[rollout.model_mask.bool()].tolist()
+        tokens = [tokenizer.decode([t], skip_special_tokens=True) for t in sampled]
+        stops = stop_strings(env_class)
+        print(json.dumps({"env": name, "actions": getattr(env_class, "actions", []), "seconds": seconds,
+                          "end_reasons": {r: int(rollout.episode[f"end_{r}"].sum()) for r in END_REASONS},
+                          "returns": rollout.episode["return"].tolist(),
+                          "tool_calls": rollout.episode["tool_calls"].sum().item(),
+                          "past_stop": [t for t in tokens if any(s in t and not t.endswith(s) for s in stops)]}),
+              flush=True)
 
 
 if __name__ == "__main__":
-    limits = (float(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 3 else ()
-    run_main(lambda: main(sys.argv[1], sys.argv[2], *limits))
+    run_main(lambda: main(sys.argv[1], sys.argv[2:]))

@@ -1,10 +1,12 @@
 """Multi-turn GRPO end to end (real torchrun, real vLLM engines): episodes with observations of both kinds, the
-trainer's logprobs of the model's tokens equal the engine's, a raising environment ends only its episode, and a
-resumed run reproduces the uninterrupted one; the agentic pipeline (`make run-agent`, shortened) learns that the
+trainer's logprobs of the model's tokens equal the engine's, an environment that raises, hangs or lies ends only
+its episodes, and a resumed run reproduces the uninterrupted one; the agentic pipeline (`make run-agent`, shortened) learns that the
 calculator pays."""
 
 import json
 import re
+
+import pytest
 
 from conftest import HELD_OUT_ACCURACY, assert_same_curve, grpo_args, read_metrics, run_pipeline, run_script
 
@@ -40,32 +42,38 @@ def test_multi_turn_episodes_train_with_engine_logprob_parity_and_resume(tiny, t
                       keys=("reward/mean", "loss/entropy", "train/grad_norm", "episode/turns"))
 
 
-def test_a_stop_string_inside_a_token_ends_the_action_there(tiny):
+@pytest.fixture(scope="module")
+def episodes(tiny) -> tuple[dict[str, dict], str]:
+    """tests/episodes_check.py on two test environments in one launch: {env: its JSON line}, and stderr."""
+    envs = ["tests/envs_for_tests.py:StopAtST", "tests/envs_for_tests.py:Unreliable"]
+    proc = run_script("tests/episodes_check.py", [str(tiny / "init"), *envs], nproc=1)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"env": ')]
+    return {line["env"].split(":")[1]: line for line in lines}, proc.stderr
+
+
+def test_a_stop_string_inside_a_token_ends_the_action_there(episodes):
     """A turn that stops at a stop string inside a sampled token (tests/envs_for_tests.py:StopAtST): the
     environment's action ends at the stop string, so a tool call is seen as one (SmolLM2's `</python>` ends inside
     `><`)."""
-    proc = run_script("tests/episodes_check.py", [str(tiny / "init"), "tests/envs_for_tests.py:StopAtST"], nproc=1)
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = episodes[0]["StopAtST"]
     assert len(out["past_stop"]) >= 3, out["past_stop"]            # the case happened
     stopped = [a for a in out["actions"] if "st" in a]
     assert len(stopped) == out["tool_calls"] >= len(out["past_stop"])
     assert all(a.index("st") == len(a) - 2 for a in stopped), [a for a in stopped if not a.endswith("st")]
 
 
-def test_an_environment_that_raises_hangs_or_lies_costs_its_episodes_not_the_run(tiny):
+def test_an_environment_that_raises_hangs_or_lies_costs_its_episodes_not_the_run(episodes):
     """tests/envs_for_tests.py:Unreliable, 16 rows x 8 episodes: the rows whose reset raises, whose step never
     returns (given up after env.timeout_s) or returns a NaN reward end as env_error with reward 0, and each kind of
     failure is said once; the other rows' episodes end as they should."""
-    proc = run_script("tests/episodes_check.py", [str(tiny / "init"), "tests/envs_for_tests.py:Unreliable", "3", "128"],
-                      nproc=1)
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out, stderr = episodes[0]["Unreliable"], episodes[1]
     assert out["end_reasons"] == {"done": 32, "max_turns": 0, "budget": 0, "env_error": 96}, out["end_reasons"]
     assert sorted(out["returns"]) == [0.0] * 96 + [1.0] * 32
     assert out["seconds"] < 60, out["seconds"]        # the hung steps were given up on, not waited for (1 h)
     for line in ("env: Unreliable.reset raised KeyError: 'question'; such episodes end as env_error (said once)",
                  "env: 32 environment call(s) not back after env.timeout_s=3 s; such episodes",
                  "env: Unreliable.step returned the reward nan; such episodes"):
-        assert proc.stderr.count(line) == 1, (line, proc.stderr[-3000:])
+        assert stderr.count(line) == 1, (line, stderr[-3000:])
 
 
 def test_calculator_pipeline_learns_to_use_the_tool(tmp_path):
