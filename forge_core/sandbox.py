@@ -7,9 +7,10 @@ after the call. Users' reward functions run in worker processes on the same term
 Each call (`run_isolated`) runs as `unshare --pid --fork --kill-child --mount-proc --net --ipc -- sh -c MOUNTS
 -- prlimit ... -- setpriv ... -- ARGV` in a session of its own (`start_new_session`), with an empty environment,
 stdin from a file and stdout/stderr to unlinked files (RLIMIT_FSIZE bounds them; the first `max_output_bytes` of
-each are read back). MOUNTS puts a tmpfs of `disk_mb` on /tmp, mounts the same one on /var/tmp, /dev/shm and
-/run/lock, and makes /tmp the working directory: everything the code writes there is its own, counts against
-`disk_mb` (then "No space left on device"), and is gone with the call's mount namespace. What holds:
+each are read back). MOUNTS makes the host's other mounts that every user may write (a cluster's /scratch)
+read-only, puts a tmpfs of `disk_mb` on /tmp, mounts the same one on /var/tmp, /dev/shm and /run/lock, and makes
+/tmp the working directory: everything the code writes there is its own, counts against `disk_mb` (then "No
+space left on device"), and is gone with the call's mount namespace. What holds:
 - As root: a PID namespace with its own /proc, a network namespace (a loopback that is down: "Network is
   unreachable"), an IPC namespace, and the code runs with no supplementary groups and no_new_privs as a uid/gid
   of its own: one of `first_user` .. `first_user + users - 1` that no other call on this machine runs as while it
@@ -23,12 +24,14 @@ each are read back). MOUNTS puts a tmpfs of `disk_mb` on /tmp, mounts the same o
   kills every process left in its PID namespace, daemons that left the process group with setsid() included.
   That first process is the namespace's init (pid 1), so signals it sends itself without a handler are ignored.
   When the calling process is killed, its calls in flight die with it (PR_SET_PDEATHSIG at both ends).
-Not covered: other directories of the host that every user may write (a cluster's /scratch) stay writable, and
-files written there outlive the call; the tmpfs is memory, outside RLIMIT_AS.
+Not covered: a directory every user may write that is not a mount point (other than /var/tmp and /run/lock) stays
+writable, and files written there outlive the call; the tmpfs is memory, outside RLIMIT_AS.
 """
 
 import fcntl
 import os
+import re
+import shlex
 import shutil
 import signal
 import stat
@@ -141,13 +144,29 @@ SHARED_WRITABLE = ("/var/tmp", "/dev/shm", "/run/lock")     # besides /tmp, wher
 
 
 def _private_tmp(disk_mb: int, uid: int | None) -> list[str]:
-    """Inside the namespaces, still privileged there: a tmpfs on /tmp, on the other shared writable directories and
-    as the working directory, owned by the code's uid; then the rest of the command."""
+    """Inside the namespaces, still privileged there: the host's other mounts that every user may write (a
+    cluster's /scratch) read-only; then a tmpfs on /tmp, on the other shared writable directories and as the
+    working directory, owned by the code's uid; then the rest of the command."""
     mount, owner = _tool("mount"), f",uid={uid},gid={uid}" if uid is not None else ""
-    steps = [f"{mount} -t tmpfs -o size={disk_mb}m,mode=0700,nosuid,nodev{owner} tmpfs /tmp",
+    read_only = [f"{mount} --bind {p} {p} && {mount} -o remount,bind,ro {p}" for p in map(shlex.quote, _open_mounts())]
+    steps = [*read_only, f"{mount} -t tmpfs -o size={disk_mb}m,mode=0700,nosuid,nodev{owner} tmpfs /tmp",
              *(f"{mount} --bind /tmp {path}" for path in SHARED_WRITABLE if os.path.isdir(path)),
              "cd /tmp", "unset OLDPWD PWD", 'exec "$@"']
     return [_tool("sh"), "-c", " && ".join(steps), "sh"]
+
+
+def _open_mounts() -> list[str]:
+    """Mount points whose directory every user may write, besides those the private /tmp covers: read afresh at
+    every call, as mounts come and go."""
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
+            with suppress(OSError):
+                mode = os.stat(point).st_mode
+                if stat.S_ISDIR(mode) and mode & stat.S_IWOTH and point not in ("/tmp", *SHARED_WRITABLE, *points):
+                    points.append(point)
+    return points
 
 
 @contextmanager

@@ -10,6 +10,7 @@ import resource
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
@@ -175,6 +176,22 @@ def test_what_a_call_writes_stays_in_its_own_bounded_tmp_and_is_gone_after_it():
     first, second = run_python(write, SandboxConfig(disk_mb=2)), run_python(look, SandboxConfig())
     assert "No space left on device" in first.stderr, first.observation()
     assert second.stdout == "[False, False, False, False]\n" and not any(Path(d, name).exists() for d in shared)
+
+
+def test_other_mounts_that_every_user_may_write_are_read_only_inside():
+    """A cluster's /scratch (a mount point of mode 1777, here a tmpfs under /mnt, with a space that mountinfo
+    escapes): the code reads it but cannot write to it, where before its files there outlived the call."""
+    point = Path(tempfile.mkdtemp(dir="/mnt", prefix="forge scratch-"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777,size=1m", "tmpfs", str(point)], check=True)
+    try:
+        (point / "data.txt").write_text("shared")
+        code = f"print(open({str(point / 'data.txt')!r}).read())\nopen({str(point / 'mine.txt')!r}, 'w')"
+        result = run_python(code, SandboxConfig())
+        assert result.stdout == "shared\n" and "Read-only file system" in result.stderr, result.observation()
+        assert os.listdir(point) == ["data.txt"]
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+        point.rmdir()
 
 
 def test_a_fork_bomb_does_not_stop_calls_that_run_at_once():
