@@ -158,8 +158,8 @@ def _reset(episode: _Episode, row: dict) -> str | None:
     try:
         return str(episode.env.reset(row))
     except Exception as err:
-        name, error = type(episode.env).__name__, type(err).__name__
-        _env_error(f"reset {error}", f"{name}.reset raised {error}: {err}")
+        error = type(err).__name__
+        _env_error(f"reset {error}", f"{type(episode.env).__name__}.reset raised {error}: {err}")
         return None
 
 
@@ -170,7 +170,8 @@ def _step(episode: _Episode, action: tuple[str, bool]) -> tuple[str, float, bool
         observation, reward, done = episode.env.step(action[0])
         reward = float(reward)
     except Exception as err:
-        _env_error(f"step {type(err).__name__}", f"{name}.step raised {type(err).__name__}: {err}")
+        error = type(err).__name__
+        _env_error(f"step {error}", f"{name}.step raised {error}: {err}")
         return None
     if not math.isfinite(reward):
         _env_error("reward", f"{name}.step returned the reward {reward}")

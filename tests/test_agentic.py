@@ -1,7 +1,7 @@
 """Multi-turn GRPO end to end (real torchrun, real vLLM engines): episodes with observations of both kinds, the
 trainer's logprobs of the model's tokens equal the engine's, an environment that raises, hangs or lies ends only
-its episodes, and a resumed run reproduces the uninterrupted one; the agentic pipeline (`make run-agent`, shortened) learns that the
-calculator pays."""
+its episodes, and a resumed run reproduces the uninterrupted one; the agentic pipeline (`make run-agent`,
+shortened) learns that the calculator pays."""
 
 import json
 import re

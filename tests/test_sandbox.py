@@ -95,7 +95,7 @@ except OSError as err:
 """
     result = run_python(code, SandboxConfig(max_processes=5))
     assert result.stdout == "4 Resource temporarily unavailable\n"          # 5 processes with the first
-    assert processes_of(SANDBOX_USERS) == []                                      # its sleeping children died with it
+    assert processes_of(SANDBOX_USERS) == []                               # its sleeping children died with it
 
 
 def test_fork_bomb_is_contained():
@@ -130,18 +130,18 @@ while not os.path.exists("started"):
 def test_a_call_dies_with_its_caller():
     """A rank killed with SIGKILL (kill -9, the OOM killer) takes its calls in flight with it: before, sleeping
     code lived on as an orphan until it woke, holding its uid."""
+    def sandboxed_after(seconds: float, running: bool) -> bool:
+        deadline = time.monotonic() + seconds
+        while bool(processes_of(SANDBOX_USERS)) != running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return bool(processes_of(SANDBOX_USERS))
+
     caller = subprocess.Popen([sys.executable, "-c", "from forge_core.sandbox import SandboxConfig, run_python\n"
                                "run_python('import time\\ntime.sleep(60)', SandboxConfig(timeout_s=60))"], cwd=REPO)
-    deadline = time.monotonic() + 30
-    while not processes_of(SANDBOX_USERS) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert processes_of(SANDBOX_USERS), "the call did not start"
+    assert sandboxed_after(30, running=True), "the call did not start"
     caller.kill()
     caller.wait()
-    deadline = time.monotonic() + 5
-    while processes_of(SANDBOX_USERS) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert processes_of(SANDBOX_USERS) == []
+    assert not sandboxed_after(5, running=False)
 
 
 def test_writes_outside_the_working_directory_are_refused():
@@ -210,33 +210,29 @@ def test_a_fork_bomb_does_not_stop_calls_that_run_at_once():
 
 def test_ipc_objects_are_the_calls_own():
     before = subprocess.run(["ipcs", "-m"], capture_output=True, text=True).stdout
-    result = run_python("import subprocess\nsubprocess.run(['/usr/bin/ipcmk', '-M', '4096'], check=True, capture_output=True)\n"
-                        "print(subprocess.run(['/usr/bin/ipcs', '-m'], capture_output=True).stdout.count(b'0x'))",
-                        SandboxConfig())
+    code = ("import subprocess\nsubprocess.run(['/usr/bin/ipcmk', '-M', '4096'], check=True, capture_output=True)\n"
+            "print(subprocess.run(['/usr/bin/ipcs', '-m'], capture_output=True).stdout.count(b'0x'))")
+    result = run_python(code, SandboxConfig())
     assert result.stdout == "1\n", result.observation()
     assert subprocess.run(["ipcs", "-m"], capture_output=True, text=True).stdout == before
 
 
-CROSS_CALL_PROBE = """
-import glob, os
-found = []
-for path in glob.glob("/tmp/forge-sandbox-*") + glob.glob("/tmp/forge-sandbox-*/*"):
-    if os.getcwd().startswith(path):
-        continue
+def test_a_call_cannot_reach_the_working_directory_of_another_running_at_once():
+    """Calls of a turn run at once, each in /tmp as its working directory: one episode's code must not plant files
+    for another's (with one shared /tmp it found the other's directory by glob and did)."""
+    victim = "import os, time\ntime.sleep(2)\nprint(sorted(os.listdir('.')))"
+    planter = """
+import os, time
+time.sleep(0.5)
+for directory, _, _ in os.walk("/tmp"):             # every directory it can find there, its own /tmp included
     try:
-        open(os.path.join(path, "planted.txt"), "w").write("x")
-        found.append(path)
+        open(os.path.join(directory, "planted.txt"), "w").close()
     except OSError:
         pass
-print(found)
+print(os.listdir("/tmp"))
 """
-
-
-def test_a_call_cannot_reach_the_working_directory_of_another_running_at_once():
-    """Calls of a turn run at once as the same uid; one episode's code must not plant files for another's."""
-    victim = "import os, time\ntime.sleep(2)\nprint(sorted(os.listdir('.')))"
-    slow, probe = run_python_many([victim, "import time\ntime.sleep(0.5)\n" + CROSS_CALL_PROBE], SandboxConfig())
-    assert (slow.stdout, probe.stdout) == ("[]\n", "[]\n"), (slow.observation(), probe.observation())
+    slow, probe = run_python_many([victim, planter], SandboxConfig())
+    assert (slow.stdout, probe.stdout) == ("[]\n", "['planted.txt']\n"), (slow.observation(), probe.observation())
 
 
 def test_output_flood_is_truncated_and_returns_promptly():
