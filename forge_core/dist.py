@@ -141,11 +141,12 @@ def init_dist(cfg: DistConfig = DistConfig()) -> Dist:
         device, backend = torch.device("cpu"), "gloo"
         _tune_cpu_process()
     timeout = timedelta(seconds=cfg.timeout_s)
-    store = _attempt_store()
+    # Known before the group is joined: a rank whose join fails because a peer left with an error (a peer can
+    # finish joining first and raise) finds that peer's report in the store and stays silent.
+    store = _here.store = _attempt_store()
+    set_phase(_here.phase)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
-    _here.store = store
-    set_phase(_here.phase)
     mesh = DeviceMesh(device.type, list(range(world_size)))
     return Dist(rank, local_rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), device, mesh,
                 timeout, store)
@@ -237,7 +238,7 @@ def run_main(main: Callable[[], Any]) -> None:
 
 
 def _report(message: str, key: str | None) -> None:
-    """Print `message` once for the job. Before the process group exists every rank reads the same config, so
+    """Print `message` once for the job. Before the store exists every rank reads the same config, so
     rank 0 prints; the others wait first, as torchrun ends them once rank 0 has left, and print only if it
     did not (the error was theirs alone). After, the first rank to find a message prints it (the store counts).
     A failed collective (`key` None) is printed only if no rank reported before: then it is most likely the
