@@ -261,7 +261,7 @@ def _report(message: str, key: str | None) -> None:
 
 def _elsewhere() -> str:
     """Where the other busy ranks were, the longest in their phase first: one that stopped answering is there.
-    Nowhere to read before the store exists: a rank still joining the group when its peers left fails there."""
+    Nowhere to read before the store exists."""
     if _here.store is None:
         return ""
     try:
