@@ -4,13 +4,13 @@ after the call. Users' reward functions run in worker processes on the same term
     results = run_python_many(["print(2 + 2)", "while True: pass"], SandboxConfig(timeout_s=2))
     [r.observation() for r in results]          # ['4\n', '[timed out after 2.0s]\n']
 
-Each call (`run_isolated`) runs as `unshare --pid --fork --kill-child --mount-proc --net --ipc -- sh -c MOUNTS
--- prlimit ... -- setpriv ... -- ARGV` in a session of its own (`start_new_session`), with an empty environment,
-stdin from a file and stdout/stderr to unlinked files (RLIMIT_FSIZE bounds them; the first `max_output_bytes` of
-each are read back). MOUNTS makes the host's other mounts that every user may write (a cluster's /scratch)
-read-only, puts a tmpfs of `disk_mb` on /tmp, mounts the same one on /var/tmp, /dev/shm and /run/lock, and makes
-/tmp the working directory: everything the code writes there is its own, counts against `disk_mb` (then "No
-space left on device"), and is gone with the call's mount namespace. What holds:
+Each call (`run_isolated`) runs as `unshare --pid --fork --kill-child --mount-proc --net --ipc -- sh -c MOUNTS --
+prlimit ... -- setpriv ... -- ARGV` in a session of its own (`start_new_session`), with an empty environment, stdin
+from a file and stdout/stderr to unlinked files (RLIMIT_FSIZE bounds them; the first `max_output_bytes` of each are
+read back). MOUNTS makes every host mount read-only but /proc and /sys (device nodes still take writes: /dev/null
+works), puts a tmpfs of `disk_mb` on /tmp, mounts the same one on /var/tmp, /dev/shm and /run/lock, and makes /tmp
+the working directory: everything the code writes there is its own, counts against `disk_mb` (then "No space left
+on device"), and is gone with the call's mount namespace. What holds:
 - As root: a PID namespace with its own /proc, a network namespace (a loopback that is down: "Network is
   unreachable"), an IPC namespace, and the code runs with no supplementary groups and no_new_privs as a uid/gid
   of its own: one of `first_user` .. `first_user + users - 1` that no other call on this machine runs as while it
@@ -18,14 +18,15 @@ space left on device"), and is gone with the call's mount namespace. What holds:
   permissions apply, RLIMIT_NPROC counts this call's processes only, and calls that run at once share nothing.
 - Not root: the same namespaces inside a user namespace that maps only the caller, as its root
   (`unshare --user --map-root-user`), which mounts the tmpfs and then runs the code with no capabilities (an
-  empty bounding set): uid 0 inside, the caller's file permissions outside; needs unprivileged user namespaces,
-  else `SandboxError` at the first call. RLIMIT_NPROC counts per call.
+  empty bounding set): uid 0 inside, the caller's file permissions outside, on read-only mounts: it reads the
+  caller's files but cannot change or delete them. Needs unprivileged user namespaces, else `SandboxError` at
+  the first call. RLIMIT_NPROC counts per call.
 - Either way: when the code's first process ends, or when the call times out and we kill it, the kernel
   kills every process left in its PID namespace, daemons that left the process group with setsid() included.
   That first process is the namespace's init (pid 1), so signals it sends itself without a handler are ignored.
   When the calling process is killed, its calls in flight die with it (PR_SET_PDEATHSIG at both ends).
-Not covered: a directory every user may write that is not a mount point (other than /var/tmp and /run/lock) stays
-writable, and files written there outlive the call; the tmpfs is memory, outside RLIMIT_AS.
+Not covered: the code reads what its uid may read (a non-root caller's files too; with no network, what it reads
+goes only into its output); the tmpfs is memory, outside RLIMIT_AS.
 """
 
 import fcntl
@@ -144,29 +145,32 @@ SHARED_WRITABLE = ("/var/tmp", "/dev/shm", "/run/lock")     # besides /tmp, wher
 
 
 def _private_tmp(disk_mb: int, uid: int | None) -> list[str]:
-    """Inside the namespaces, still privileged there: the host's other mounts that every user may write (a
-    cluster's /scratch) read-only; then a tmpfs on /tmp, on the other shared writable directories and as the
-    working directory, owned by the code's uid; then the rest of the command."""
+    """Inside the namespaces, still privileged there: every host mount the code could write to read-only; then a
+    tmpfs on /tmp, on the other shared writable directories and as the working directory, owned by the code's
+    uid; then the rest of the command."""
     mount, owner = _tool("mount"), f",uid={uid},gid={uid}" if uid is not None else ""
-    read_only = [f"{mount} --bind {p} {p} && {mount} -o remount,bind,ro {p}" for p in map(shlex.quote, _open_mounts())]
+    read_only = [f"{mount} -o remount,bind,{options} {shlex.quote(point)}" for point, options in _writable_mounts()]
     steps = [*read_only, f"{mount} -t tmpfs -o size={disk_mb}m,mode=0700,nosuid,nodev{owner} tmpfs /tmp",
              *(f"{mount} --bind /tmp {path}" for path in SHARED_WRITABLE if os.path.isdir(path)),
              "cd /tmp", "unset OLDPWD PWD", 'exec "$@"']
     return [_tool("sh"), "-c", " && ".join(steps), "sh"]
 
 
-def _open_mounts() -> list[str]:
-    """Mount points whose directory every user may write, besides those the private /tmp covers: read afresh at
-    every call, as mounts come and go."""
-    points = []
+def _writable_mounts() -> list[tuple[str, str]]:
+    """The host's writable mount points, each with the read-only options to remount it with: its own flags
+    (nosuid, noexec, atime, ...) kept, as a user namespace may not clear them. /proc and /sys are left alone,
+    and so are the directories the private /tmp covers and autofs triggers (touching one would mount it). Read
+    afresh at every call, as mounts come and go."""
+    mounts = {}
     with open("/proc/self/mountinfo") as f:
         for line in f:
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
-            with suppress(OSError):
-                mode = os.stat(point).st_mode
-                if stat.S_ISDIR(mode) and mode & stat.S_IWOTH and point not in ("/tmp", *SHARED_WRITABLE, *points):
-                    points.append(point)
-    return points
+            fields, fstype = line.split(), line.split(" - ")[1].split()[0]
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            options = fields[5].split(",")
+            if "rw" in options and fstype != "autofs" and point not in ("/tmp", *SHARED_WRITABLE) and \
+                    not any(point == top or point.startswith(top + "/") for top in ("/proc", "/sys")):
+                mounts[point] = ",".join("ro" if option == "rw" else option for option in options)
+    return list(mounts.items())
 
 
 @contextmanager

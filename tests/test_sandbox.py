@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -178,20 +179,32 @@ def test_what_a_call_writes_stays_in_its_own_bounded_tmp_and_is_gone_after_it():
     assert second.stdout == "[False, False, False, False]\n" and not any(Path(d, name).exists() for d in shared)
 
 
-def test_other_mounts_that_every_user_may_write_are_read_only_inside():
+def test_nothing_outside_the_private_tmp_is_writable():
     """A cluster's /scratch (a mount point of mode 1777, here a tmpfs under /mnt, with a space that mountinfo
-    escapes): the code reads it but cannot write to it, where before its files there outlived the call."""
+    escapes) and a directory of mode 1777 on the root filesystem: the code reads them but cannot write to
+    them, so nothing it writes outlives the call. Device nodes still take writes (/dev/null)."""
     point = Path(tempfile.mkdtemp(dir="/mnt", prefix="forge scratch-"))
+    shared_dir = Path(tempfile.mkdtemp(dir="/mnt", prefix="forge-shared-"))
+    shared_dir.chmod(0o1777)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777,size=1m", "tmpfs", str(point)], check=True)
     try:
         (point / "data.txt").write_text("shared")
-        code = f"print(open({str(point / 'data.txt')!r}).read())\nopen({str(point / 'mine.txt')!r}, 'w')"
+        code = f"""
+print(open({str(point / 'data.txt')!r}).read(), end="")
+for path in ({str(point / 'mine.txt')!r}, {str(shared_dir / 'mine.txt')!r}, "/dev/mine"):
+    try:
+        open(path, "w")
+    except OSError as err:
+        print("", err.strerror, end="")
+open("/dev/null", "w").write("x")
+"""
         result = run_python(code, SandboxConfig())
-        assert result.stdout == "shared\n" and "Read-only file system" in result.stderr, result.observation()
-        assert os.listdir(point) == ["data.txt"]
+        assert result.stdout == "shared" + " Read-only file system" * 3, result.observation()
+        assert os.listdir(point) == ["data.txt"] and os.listdir(shared_dir) == [] and not Path("/dev/mine").exists()
     finally:
         subprocess.run(["umount", str(point)], check=True)
         point.rmdir()
+        shared_dir.rmdir()
 
 
 def test_a_fork_bomb_does_not_stop_calls_that_run_at_once():
@@ -315,12 +328,42 @@ try:
 except OSError as err:
     print(err.strerror)
 """
-    caller = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-              SandboxConfig().python, "-I", "-c", UNPRIVILEGED_CALLER, str(REPO), code]
-    proc = subprocess.run(caller, cwd="/", capture_output=True, text=True, timeout=30)
+    proc = run_as_nobody(code)
     assert proc.stdout.splitlines() == ["1 0 0000000000000000 /tmp []", "Resource temporarily unavailable",
                                         "Network is unreachable"], proc.stderr     # root inside, without capabilities
     assert processes_of([NOBODY]) == []
+
+
+def test_an_unprivileged_callers_own_files_are_read_only_to_its_calls():
+    """The code has the caller's file permissions outside its /tmp, but every mount is read-only to it: it
+    reads the caller's files (a checkpoint, a home directory) and can neither change nor delete them."""
+    home = Path(tempfile.mkdtemp(dir="/mnt", prefix="forge-home-"))
+    (home / "checkpoint.txt").write_text("step 10")
+    os.chown(home, NOBODY, NOBODY)
+    os.chown(home / "checkpoint.txt", NOBODY, NOBODY)
+    checkpoint, new = str(home / "checkpoint.txt"), str(home / "new.txt")
+    code = f"""
+import os
+print(open({checkpoint!r}).read())
+for attempt in (lambda: open({checkpoint!r}, "a"), lambda: os.remove({checkpoint!r}), lambda: open({new!r}, "w")):
+    try:
+        attempt()
+    except OSError as err:
+        print(err.strerror)
+"""
+    try:
+        proc = run_as_nobody(code)
+        assert proc.stdout.splitlines() == ["step 10", *["Read-only file system"] * 3], proc.stderr
+        assert os.listdir(home) == ["checkpoint.txt"] and (home / "checkpoint.txt").read_text() == "step 10"
+    finally:
+        shutil.rmtree(home)
+
+
+def run_as_nobody(code: str) -> subprocess.CompletedProcess:
+    """run_python(code) called by an unprivileged process (uid 65534)."""
+    caller = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+              SandboxConfig().python, "-I", "-c", UNPRIVILEGED_CALLER, str(REPO), code]
+    return subprocess.run(caller, cwd="/", capture_output=True, text=True, timeout=30)
 
 
 def test_missing_tools_fail_in_one_line(monkeypatch):
