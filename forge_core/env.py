@@ -23,19 +23,22 @@ trainer but carry no loss. How an observation is appended depends on how the mod
 An episode ends when `step` says done, after `max_turns` model turns, when its tokens reach
 `max_episode_tokens`, or on an environment error: `end_reason` records which. Environments are user code, so
 an error costs its episode (reward 0, counted as `env_error`), never the run: a `reset` or `step` that raises
-(the first of each kind is printed, once per rank), a reward that is not a finite number, and a turn's calls
-that have not returned after `env.timeout_s` (their threads are left behind: Python cannot stop them).
+(the first of each kind is printed, once per rank), a reward that is not a finite number, and a call not back
+`env.timeout_s` after it started (its thread is left behind, as Python cannot stop it, and its place goes to
+the next call, so calls that never return cost their own episodes only).
 
 Environments run on the policy ranks, beside their engine: every turn needs its observations before the next
 `generate`, so the engine waits for them wherever they are computed; here they cost no collective. The steps of
-one turn run in a thread pool, so slow tools (a sandboxed subprocess releases the GIL) overlap.
+one turn run in threads, `env.workers` at a time, so slow tools (a sandboxed subprocess releases the GIL) overlap.
 Optional attributes an environment may count, summed into the step's metrics: `tool_errors`, `tool_timeouts`.
 """
 
 import math
+import queue
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -59,7 +62,7 @@ class EnvConfig:
     max_episode_tokens: PositiveInt = 128       # model + observation tokens after the prompt
     max_observation_tokens: PositiveInt = 32    # an observation is cut to this many tokens
     workers: PositiveInt = 16                   # environment steps of one turn that run at once
-    timeout_s: PositiveFloat = 60.0             # a turn's resets or steps not back by then end their episodes
+    timeout_s: PositiveFloat = 60.0             # a reset or step not back this long after it started ends its episode
 
 
 def load_env(cfg: EnvConfig) -> Callable[[], object] | None:
@@ -101,33 +104,29 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
     episodes = [_Episode(env_class(), []) for _ in rows for _ in range(G)]
     expanded_rows = [row for row in rows for _ in range(G)]
     tool_seconds = 0.0
-    pool = ThreadPoolExecutor(cfg.workers)
-    try:
-        firsts = _calls(pool, _reset, episodes, expanded_rows, cfg.timeout_s)
-        if all(first is None for first in firsts):
-            raise ForgeError(f"env error: every {env_class.__name__}.reset of a batch failed (why: the line above)")
-        for episode, first in zip(episodes, firsts):
-            episode.prompt_ids = chat_prompt_ids(tokenizer, "" if first is None else first)
-            if first is None:
-                episode.end_reason = "env_error"
-        for turn in range(cfg.max_turns):
-            running = [e for e in episodes if e.end_reason is None]
-            if not running:
-                break
-            params = [sampling_params(sampling, greedy, n=1, stop=stops, include_stop_str_in_output=True,
-                                      max_tokens=min(sampling.max_tokens, cfg.max_episode_tokens - len(e.ids)))
-                      for e in running]
-            with seeded_draws(seed + turn):
-                outputs = engine.generate([{"prompt_token_ids": e.prompt_ids + e.ids} for e in running], params,
-                                          use_tqdm=False)
-            actions = [_take_turn(e, out.outputs[0], tokenizer, stops) for e, out in zip(running, outputs)]
-            t0 = time.perf_counter()
-            results = _calls(pool, _step, running, actions, cfg.timeout_s)
-            tool_seconds += time.perf_counter() - t0
-            for episode, result, (_, at_eos) in zip(running, results, actions):
-                _answer(episode, result, at_eos, turn, tokenizer, cfg)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)      # a call that never returns keeps only its thread
+    firsts = _calls(_reset, episodes, expanded_rows, cfg)
+    if all(first is None for first in firsts):
+        raise ForgeError(f"env error: every {env_class.__name__}.reset of a batch failed (why: the line above)")
+    for episode, first in zip(episodes, firsts):
+        episode.prompt_ids = chat_prompt_ids(tokenizer, "" if first is None else first)
+        if first is None:
+            episode.end_reason = "env_error"
+    for turn in range(cfg.max_turns):
+        running = [e for e in episodes if e.end_reason is None]
+        if not running:
+            break
+        params = [sampling_params(sampling, greedy, n=1, stop=stops, include_stop_str_in_output=True,
+                                  max_tokens=min(sampling.max_tokens, cfg.max_episode_tokens - len(e.ids)))
+                  for e in running]
+        with seeded_draws(seed + turn):
+            outputs = engine.generate([{"prompt_token_ids": e.prompt_ids + e.ids} for e in running], params,
+                                      use_tqdm=False)
+        actions = [_take_turn(e, out.outputs[0], tokenizer, stops) for e, out in zip(running, outputs)]
+        t0 = time.perf_counter()
+        results = _calls(_step, running, actions, cfg)
+        tool_seconds += time.perf_counter() - t0
+        for episode, result, (_, at_eos) in zip(running, results, actions):
+            _answer(episode, result, at_eos, turn, tokenizer, cfg)
     return _to_rollout(episodes, row_ids, G, tokenizer.pad_token_id, tool_seconds)
 
 
@@ -144,13 +143,36 @@ def _take_turn(episode: _Episode, sample, tokenizer, stops: list[str]) -> tuple[
     return sample.text, bool(ids) and ids[-1] == tokenizer.eos_token_id
 
 
-def _calls(pool: ThreadPoolExecutor, call, episodes: list[_Episode], args: list, timeout_s: float) -> list:
-    """`call(episode, arg)` for each episode in the pool, in order; None for a call not back after timeout_s."""
-    futures = [pool.submit(call, episode, arg) for episode, arg in zip(episodes, args)]
-    done, late = wait(futures, timeout=timeout_s)
+def _calls(call, episodes: list[_Episode], args: list, cfg: EnvConfig) -> list:
+    """`call(episode, arg)` for each episode, `cfg.workers` at a time, each in a daemon thread of its own; the
+    results in order, None for a call not back `cfg.timeout_s` after it started. Such a call's thread is left
+    behind (Python cannot stop it) and its place goes to the next call: a pool's worker would stay taken, and
+    calls queued behind hung ones would time out without having run."""
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+    waiting, started, results, late = deque(range(len(episodes))), {}, [None] * len(episodes), 0
+
+    def run(i: int) -> None:
+        finished.put((i, call(episodes[i], args[i])))
+
+    while waiting or started:
+        while waiting and len(started) < cfg.workers:
+            i = waiting.popleft()
+            started[i] = time.monotonic()
+            threading.Thread(target=run, args=(i,), daemon=True).start()
+        try:
+            i, result = finished.get(timeout=max(0.0, min(started.values()) + cfg.timeout_s - time.monotonic()))
+            if i in started:                            # else given up on already
+                del started[i]
+                results[i] = result
+        except queue.Empty:
+            expired = [i for i, t in started.items() if time.monotonic() - t >= cfg.timeout_s]
+            late += len(expired)
+            for i in expired:
+                del started[i]
     if late:
-        _env_error("timeout", f"{len(late)} environment call(s) not back after env.timeout_s={timeout_s:g} s")
-    return [f.result() if f in done else None for f in futures]
+        _env_error("timeout", f"{late} environment call(s) not back {cfg.timeout_s:g} s after they started "
+                              "(env.timeout_s)")
+    return results
 
 
 def _reset(episode: _Episode, row: dict) -> str | None:

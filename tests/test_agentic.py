@@ -64,14 +64,15 @@ def test_a_stop_string_inside_a_token_ends_the_action_there(episodes):
 
 def test_an_environment_that_raises_hangs_or_lies_costs_its_episodes_not_the_run(episodes):
     """tests/envs_for_tests.py:Unreliable, 16 rows x 8 episodes: the rows whose reset raises, whose step never
-    returns (given up after env.timeout_s) or returns a NaN reward end as env_error with reward 0, and each kind of
-    failure is said once; the other rows' episodes end as they should."""
+    returns (given up env.timeout_s after it started) or returns a NaN reward end as env_error with reward 0, and
+    each kind of failure is said once; the other rows' episodes end as they should, though the hung steps (32)
+    took every one of the turn's 16 workers twice over."""
     out, stderr = episodes[0]["Unreliable"], episodes[1]
     assert out["end_reasons"] == {"done": 32, "max_turns": 0, "budget": 0, "env_error": 96}, out["end_reasons"]
     assert sorted(out["returns"]) == [0.0] * 96 + [1.0] * 32
     assert out["seconds"] < 60, out["seconds"]        # the hung steps were given up on, not waited for (1 h)
     for line in ("env: Unreliable.reset raised KeyError: 'question'; such episodes end as env_error (said once)",
-                 "env: 32 environment call(s) not back after env.timeout_s=3 s; such episodes",
+                 "env: 32 environment call(s) not back 3 s after they started (env.timeout_s); such episodes",
                  "env: Unreliable.step returned the reward nan; such episodes"):
         assert stderr.count(line) == 1, (line, stderr[-3000:])
 
