@@ -159,8 +159,9 @@ def _private_tmp(disk_mb: int, uid: int | None) -> list[str]:
 def _writable_mounts() -> list[tuple[str, str]]:
     """The host's writable mount points, each with the read-only options to remount it with: its own flags
     (nosuid, noexec, atime, ...) kept, as a user namespace may not clear them. /proc and /sys are left alone,
-    and so are the directories the private /tmp covers and autofs triggers (touching one would mount it). Read
-    afresh at every call, as mounts come and go."""
+    and so are the directories the private /tmp covers, autofs triggers (touching one would mount it) and mount
+    points this process cannot reach (another user's FUSE mount: remounting it would fail, and the code, with
+    no more rights than this process, cannot reach it either). Read afresh at every call, as mounts come and go."""
     mounts = {}
     with open("/proc/self/mountinfo") as f:
         for line in f:
@@ -168,9 +169,18 @@ def _writable_mounts() -> list[tuple[str, str]]:
             point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
             options = fields[5].split(",")
             if "rw" in options and fstype != "autofs" and point not in ("/tmp", *SHARED_WRITABLE) and \
-                    not any(point == top or point.startswith(top + "/") for top in ("/proc", "/sys")):
+                    not any(point == top or point.startswith(top + "/") for top in ("/proc", "/sys")) and \
+                    _reachable(point):
                 mounts[point] = ",".join("ro" if option == "rw" else option for option in options)
     return list(mounts.items())
+
+
+def _reachable(path: str) -> bool:
+    try:
+        os.stat(path)
+        return True
+    except OSError:
+        return False
 
 
 @contextmanager

@@ -359,6 +359,20 @@ for attempt in (lambda: open({checkpoint!r}, "a"), lambda: os.remove({checkpoint
         shutil.rmtree(home)
 
 
+def test_a_mount_the_caller_cannot_reach_is_left_alone():
+    """A mount point inside a directory only root may enter (as another user's FUSE mount is to root): an
+    unprivileged caller's calls still run, where remounting it read-only would fail every call."""
+    private = Path(tempfile.mkdtemp(dir="/mnt", prefix="forge-private-"))      # mode 0700, root's
+    (private / "inner").mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(private / "inner")], check=True)
+    try:
+        proc = run_as_nobody("print('ran')")
+        assert proc.stdout == "ran\n", proc.stderr
+    finally:
+        subprocess.run(["umount", str(private / "inner")], check=True)
+        shutil.rmtree(private)
+
+
 def run_as_nobody(code: str) -> subprocess.CompletedProcess:
     """run_python(code) called by an unprivileged process (uid 65534)."""
     caller = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
