@@ -179,7 +179,7 @@ def _reset(episode: _Episode, row: dict) -> str | None:
     """The environment's first message; None when its reset raised."""
     try:
         return str(episode.env.reset(row))
-    except Exception as err:
+    except (Exception, SystemExit) as err:      # sys.exit() would end only the call's thread, seen as a hang
         error = type(err).__name__
         _env_error(f"reset {error}", f"{type(episode.env).__name__}.reset raised {error}: {err}")
         return None
@@ -191,7 +191,7 @@ def _step(episode: _Episode, action: tuple[str, bool]) -> tuple[str, float, bool
     try:
         observation, reward, done = episode.env.step(action[0])
         reward = float(reward)
-    except Exception as err:
+    except (Exception, SystemExit) as err:
         error = type(err).__name__
         _env_error(f"step {error}", f"{name}.step raised {error}: {err}")
         return None

@@ -1,5 +1,6 @@
 """User-written environments, loaded by path (`env.name: "tests/envs_for_tests.py:NAME"`)."""
 
+import sys
 import time
 
 
@@ -53,3 +54,13 @@ class Unreliable:
         if self.n % 4 == 2:
             time.sleep(3600)
         return "", float("nan") if self.n % 4 == 3 else 1.0, True
+
+
+class Exits:
+    """Ends the program, as a user's script might: `reset` calls sys.exit(3)."""
+
+    def reset(self, row: dict) -> str:
+        sys.exit(3)
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        return "", 0.0, True

@@ -2,6 +2,8 @@
 an observation is appended inline or as the template's next message, and a bad environment (its name, or
 resets that all fail) is a one-line error."""
 
+import time
+
 import pytest
 import torch
 
@@ -95,6 +97,17 @@ def test_an_environment_whose_every_reset_fails_is_one_line():
     env_class = load_env(EnvConfig(name="tests/envs_for_tests.py:Unreliable"))
     with pytest.raises(ForgeError, match=r"^env error: every Unreliable.reset of a batch failed \(why: the line"):
         run_episodes(None, None, env_class, [{"prompt": "1+1="}] * 2, [0, 1], SamplingConfig(), EnvConfig(), seed=0)
+
+
+def test_an_environment_that_calls_sys_exit_fails_its_call_at_once(capsys):
+    """sys.exit() in a reset is that call's failure, said as such, not a hang until env.timeout_s (it would
+    end only the call's thread) nor the end of the rank."""
+    env_class = load_env(EnvConfig(name="tests/envs_for_tests.py:Exits"))
+    start = time.monotonic()
+    with pytest.raises(ForgeError, match=r"^env error: every Exits.reset of a batch failed"):
+        run_episodes(None, None, env_class, [{"prompt": "1+1="}] * 2, [0, 1], SamplingConfig(), EnvConfig(), seed=0)
+    assert time.monotonic() - start < 10
+    assert "env: Exits.reset raised SystemExit: 3; such episodes end as env_error" in capsys.readouterr().err
 
 
 def test_a_bad_environment_name_is_one_line():
