@@ -170,17 +170,9 @@ def _writable_mounts() -> list[tuple[str, str]]:
             options = fields[5].split(",")
             if "rw" in options and fstype != "autofs" and point not in ("/tmp", *SHARED_WRITABLE) and \
                     not any(point == top or point.startswith(top + "/") for top in ("/proc", "/sys")) and \
-                    _reachable(point):
+                    os.path.exists(point):
                 mounts[point] = ",".join("ro" if option == "rw" else option for option in options)
     return list(mounts.items())
-
-
-def _reachable(path: str) -> bool:
-    try:
-        os.stat(path)
-        return True
-    except OSError:
-        return False
 
 
 @contextmanager
