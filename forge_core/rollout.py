@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["Rollout", "pad_left", "pad_right", "SharedPromptRows", "shared_prompt_rows", "pad_cat", "cat_rollouts",
-           "balanced_share"]
+           "engine_share", "balanced_share"]
 
 
 @dataclass
@@ -82,6 +82,16 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
     fields = {k: cat([vars(p)[k] for p in parts], left=k.startswith("prompt")) for k in vars(parts[0])
               if k != "seconds"}
     return Rollout(**fields, seconds=dict(parts[0].seconds))
+
+
+def engine_share(rollout: Rollout, rows: int, place: int, tp: int) -> Rollout:
+    """The share of rank `place` of a tensor-parallel engine's `tp` ranks: every tp-th of its `rows` rows' samples.
+    Those ranks run the engine in lockstep (vLLM's external launcher), so they sample the same rollout from the
+    same prompts and seed; each then trains on (and counts) a different part of it."""
+    if tp == 1:
+        return rollout
+    per_row = len(rollout) // rows
+    return rollout.select([r * per_row + i for r in range(place, rows, tp) for i in range(per_row)])
 
 
 def balanced_share(shares: list[Rollout], me: int, G: int, micro: int, mini: int) -> Rollout:

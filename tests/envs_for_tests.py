@@ -1,5 +1,6 @@
 """User-written environments, loaded by path (`env.name: "tests/envs_for_tests.py:NAME"`)."""
 
+import random
 import sys
 import time
 
@@ -19,6 +20,20 @@ class Chatter:
             raise ValueError("a bug in a user's environment")
         self.replies.append(f"<{len(action)}>")
         return self.replies[-1], sum(c.isdigit() for c in action) / max(len(action), 1), False
+
+
+class Dice:
+    """Answers each model turn with a random number and reward, as an environment may (a tool's timing, a game's
+    draw), and counts one tool error per episode."""
+    stop = ["1"]
+
+    def reset(self, row: dict) -> str:
+        self.tool_errors = 1
+        return row["prompt"]
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        draw = random.SystemRandom()            # not Python's seeded stream, which vLLM seeds alike on every rank
+        return str(draw.randrange(1000)), draw.random(), False
 
 
 class NoStep:

