@@ -22,7 +22,7 @@ if __name__ == "__main__":
 from forge_core.config import ForgeError, load_config
 from forge_core.data import chat_prompt_ids, read_rows, require_fields
 from forge_core.dist import close_dist, exchange, init_dist, run_main
-from forge_core.engine import EngineConfig, SamplingConfig, build_engine
+from forge_core.engine import EngineConfig, SamplingConfig, build_engine, check_tensor_parallel
 from forge_core.model import ModelConfig, load_tokenizer
 
 
@@ -108,6 +108,7 @@ def main() -> None:
         raise ForgeError(f"config error: {d.world_size} ranks are not a multiple of "
                          f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size}")
     tokenizer = load_tokenizer(cfg.model)
+    check_tensor_parallel(cfg.engine, cfg.model)
     if cfg.prompts is not None:
         read_rows(cfg.prompts, cfg.split, cfg.subset)     # a bad path fails before the engine starts
     engine = build_engine(cfg.model.path, cfg.engine, cfg.seed)
