@@ -633,8 +633,8 @@ def main() -> None:
             sched.load_state_dict(meta["scheduler"])
             start_step = meta["step"]
     start_step = exchange(start_step)[0]     # every role walks the same steps
-    engine = build_engine(cfg.model.path, cfg.engine, cfg.train.seed) if roles.is_policy \
-        else join_engine_groups(cfg.model.path, cfg.engine, roles.dist.local_rank)
+    engine = build_engine(cfg.model.path, cfg.engine, cfg.train.seed, roles) if roles.is_policy \
+        else join_engine_groups(roles)
     steps = range(start_step, min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps))
     # Python's collector: the model, engine and data live for the whole run, so later collections skip them
     # (freeze); vLLM makes thousands of short-lived objects per step, so young ones are collected less often.

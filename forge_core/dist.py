@@ -9,10 +9,13 @@ answering for `dist.timeout_s`) one line naming this rank, its role, its phase (
 other ranks were, and exit code 1, so that torchrun ends the job (and `--max-restarts` restarts it).
 """
 
+import contextlib
 import ctypes
 import gc
 import hashlib
+import itertools
 import os
+import pickle
 import re
 import socket
 import sys
@@ -29,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .config import ForgeError
 
 __all__ = ["Dist", "DistConfig", "Layout", "Roles", "init_dist", "init_roles", "role_ranks", "close_dist", "exchange",
-           "wait_idle", "release", "set_phase", "run_main"]
+           "wait_idle", "release", "set_phase", "run_main", "published_world_calls", "mirror_world_calls"]
 
 
 @dataclass
@@ -205,6 +208,70 @@ def wait_idle(d: Dist, key: str) -> None:
 
 def release(d: Dist, key: str) -> None:
     d.store.set(key, "1")
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+@contextlib.contextmanager
+def published_world_calls(d: Dist, outsiders: list[int]):
+    """Around a library's start-up that some ranks run (vLLM's engines, on the policy ranks) but that creates
+    process groups over the whole world, which every rank must create in the same order: rank 0 writes each
+    `new_group` call, and each all-reduce over a group with an outsider in it, to the store, where
+    `mirror_world_calls` on the `outsiders` makes the same calls without the library (importing what vLLM's
+    process-group set-up needs took 8 s of CPU and 380 MB more than torch alone). Every rank that runs the
+    start-up enters; rank 0 publishes."""
+    if d.rank != 0 or not outsiders:
+        yield
+        return
+    new_group, all_reduce = dist.new_group, dist.all_reduce
+    created: list[dist.ProcessGroup] = []
+    published = itertools.count()
+
+    def publish(*call) -> None:
+        d.store.set(f"world_calls/{next(published)}", pickle.dumps(call))
+
+    def publishing_new_group(ranks=None, **kwargs):
+        publish("new_group", ranks, kwargs)
+        created.append(new_group(ranks, **kwargs))
+        return created[-1]
+
+    def publishing_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if group is None or set(outsiders) & set(dist.get_process_group_ranks(group)):
+            name = next((n for n, o in _REDUCE_OPS.items() if o == op), None)
+            if name is None:
+                raise RuntimeError(f"an all-reduce ({op}) over the ranks without an engine cannot be mirrored")
+            publish("all_reduce", None if group is None else created.index(group), name, tensor.dtype,
+                    tuple(tensor.shape), tensor.device.type)
+        return all_reduce(tensor, op, group, async_op)
+
+    dist.new_group, dist.all_reduce = publishing_new_group, publishing_all_reduce
+    try:
+        yield
+    finally:
+        dist.new_group, dist.all_reduce = new_group, all_reduce
+        publish("end")
+
+
+def mirror_world_calls(d: Dist) -> None:
+    """On a rank outside `published_world_calls`: make its calls, as rank 0 publishes them, until it ends;
+    an all-reduce gets the operation's identity (the largest value for a MIN), which changes nothing."""
+    created = []
+    for index in itertools.count():
+        key = f"world_calls/{index}"
+        d.store.wait([key], d.timeout)
+        call, *args = pickle.loads(d.store.get(key))
+        if call == "end":
+            return
+        if call == "new_group":
+            ranks, kwargs = args
+            created.append(dist.new_group(ranks, **kwargs))
+            continue
+        group, op, dtype, shape, device = args
+        info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+        identity = {"sum": 0, "min": info.max, "max": info.min}[op]
+        tensor = torch.full(shape, identity, dtype=dtype, device=d.device if device != "cpu" else "cpu")
+        dist.all_reduce(tensor, _REDUCE_OPS[op], None if group is None else created[group])
 
 
 def close_dist() -> None:

