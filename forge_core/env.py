@@ -203,8 +203,10 @@ def _reset(episode: _Episode, row: dict) -> str | None:
         return None
 
 
-def _step(episode: _Episode, action: tuple[str, bool]) -> tuple[str, float, bool] | None:
-    """The environment's answer; None when its step raised or its reward is not a finite number."""
+def _step(episode: _Episode, action: tuple[str, bool]) -> tuple[str, float, bool, str] | None:
+    """The environment's answer and the role of its next message (read here, where the environment runs: under
+    tensor parallelism the engine's other ranks have only the answers); None when its step raised or its reward
+    is not a finite number."""
     name = type(episode.env).__name__
     try:
         observation, reward, done = episode.env.step(action[0])
@@ -216,7 +218,7 @@ def _step(episode: _Episode, action: tuple[str, bool]) -> tuple[str, float, bool
     if not math.isfinite(reward):
         _env_error("reward", f"{name}.step returned the reward {reward}")
         return None
-    return str(observation), reward, bool(done)
+    return str(observation), reward, bool(done), str(getattr(episode.env, "observation_role", "user"))
 
 
 _reported: set[str] = set()
@@ -233,15 +235,14 @@ def _answer(episode: _Episode, result, at_eos: bool, turn: int, tokenizer, cfg: 
     if result is None:
         episode.end_reason = "env_error"
         return
-    observation, reward, done = result
+    observation, reward, done, role = result
     episode.reward += reward
     if done:
         episode.end_reason = "done"
     elif turn + 1 == cfg.max_turns:
         episode.end_reason = "max_turns"
     else:
-        ids = _observation_ids(tokenizer, observation, at_eos, getattr(episode.env, "observation_role", "user"),
-                               cfg.max_observation_tokens)
+        ids = _observation_ids(tokenizer, observation, at_eos, role, cfg.max_observation_tokens)
         if len(episode.ids) + len(ids) >= cfg.max_episode_tokens:
             episode.end_reason = "budget"
             return

@@ -24,11 +24,12 @@ class Chatter:
 
 class Dice:
     """Answers each model turn with a random number and reward, as an environment may (a tool's timing, a game's
-    draw), and counts one tool error per episode."""
+    draw), counts one tool error per episode, and names its messages' role when it starts."""
     stop = ["1"]
 
     def reset(self, row: dict) -> str:
         self.tool_errors = 1
+        self.observation_role = "dice"
         return row["prompt"]
 
     def step(self, action: str) -> tuple[str, float, bool]:

