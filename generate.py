@@ -3,6 +3,7 @@
     python generate.py --model.path runs/grpo-tiny/hf                       # interactive chat
     python generate.py --model.path runs/grpo-tiny/hf --prompts artifacts/tiny/data/eval.jsonl \
         --output samples.jsonl --sampling.num_generations 4 --sampling.temperature 0.7
+    torchrun --standalone --nproc_per_node 2 generate.py --prompts ...     # an engine a rank, each half the rows
     torchrun --standalone --nproc_per_node 2 generate.py --engine.tensor_parallel_size 2 ...   # TP (GPUs)
 
 Chat commands: /reset starts a new conversation, /exit (or Ctrl-D) leaves.
@@ -21,7 +22,7 @@ if __name__ == "__main__":
 
 from forge_core.config import ForgeError, load_config
 from forge_core.data import chat_prompt_ids, read_rows, require_fields
-from forge_core.dist import close_dist, exchange, init_dist, run_main
+from forge_core.dist import Dist, close_dist, exchange, init_dist, run_main
 from forge_core.engine import EngineConfig, SamplingConfig, build_engine, check_tensor_parallel
 from forge_core.model import ModelConfig, load_tokenizer
 
@@ -60,19 +61,22 @@ def opening(cfg: GenerateConfig) -> list[dict]:
     return [{"role": "system", "content": cfg.system}] if cfg.system else []
 
 
-def batch(engine, tokenizer, cfg: GenerateConfig, is_rank0: bool) -> None:
+def batch(engine, tokenizer, cfg: GenerateConfig, d: Dist) -> None:
+    """Each engine completes every n-th row (n engines); rank 0 writes them all, in the file's order."""
     rows = read_rows(cfg.prompts, cfg.split, cfg.subset)[:cfg.limit]
     require_fields(rows, [cfg.prompt_field], cfg.prompts)
-    conversations = [opening(cfg) + [{"role": "user", "content": row[cfg.prompt_field]}] for row in rows]
-    completions = complete(engine, tokenizer, conversations, cfg)
-    results = [{**row, "completions": texts} for row, texts in zip(rows, completions)]
-    if not is_rank0:
+    engines = d.world_size // cfg.engine.tensor_parallel_size
+    mine = range(d.rank // cfg.engine.tensor_parallel_size, len(rows), engines)
+    conversations = [opening(cfg) + [{"role": "user", "content": rows[i][cfg.prompt_field]}] for i in mine]
+    completions = dict(zip(mine, complete(engine, tokenizer, conversations, cfg) if conversations else []))
+    completions = {i: texts for share in exchange(completions) for i, texts in share.items()}
+    if not d.is_rank0:
         return
-    lines = "".join(json.dumps(r) + "\n" for r in results)
+    lines = "".join(json.dumps({**row, "completions": completions[i]}) + "\n" for i, row in enumerate(rows))
     if cfg.output:
         Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.output).write_text(lines)
-        print(f"wrote {len(results)} rows to {cfg.output}")
+        print(f"wrote {len(rows)} rows to {cfg.output} ({engines} engine{'s' if engines > 1 else ''})")
     else:
         sys.stdout.write(lines)
 
@@ -112,7 +116,10 @@ def main() -> None:
     if cfg.prompts is not None:
         read_rows(cfg.prompts, cfg.split, cfg.subset)     # a bad path fails before the engine starts
     engine = build_engine(cfg.model.path, cfg.engine, cfg.seed)
-    (batch if cfg.prompts is not None else chat)(engine, tokenizer, cfg, d.is_rank0)
+    if cfg.prompts is not None:
+        batch(engine, tokenizer, cfg, d)
+    else:
+        chat(engine, tokenizer, cfg, d.is_rank0)
     close_dist()
 
 

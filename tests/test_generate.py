@@ -21,12 +21,14 @@ def hf_greedy(model_dir, prompts: list[str], max_tokens: int) -> list[str]:
 
 
 def test_batch_greedy_equals_hf_and_chat_answers_each_turn(tiny, three_role_run, tmp_path):
+    """Batch on 2 ranks, an engine each, with the rows dealt between them; chat in one process."""
     model = str(three_role_run / "hf")
     greedy = ["--model.path", model, "--sampling.temperature", "0", "--sampling.max_tokens", "8"]
-    run_script("generate.py", [*greedy, "--prompts", str(tiny / "data" / "eval.jsonl"), "--limit", "8",
-                               "--output", str(tmp_path / "out.jsonl")])
+    proc = run_script("generate.py", [*greedy, "--prompts", str(tiny / "data" / "eval.jsonl"), "--limit", "7",
+                                      "--output", str(tmp_path / "out.jsonl")], nproc=2)
+    assert f"wrote 7 rows to {tmp_path / 'out.jsonl'} (2 engines)" in proc.stdout
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    prompts = [r["prompt"] for r in read_rows(str(tiny / "data" / "eval.jsonl"))[:8]]
+    prompts = [r["prompt"] for r in read_rows(str(tiny / "data" / "eval.jsonl"))[:7]]
     assert [r["prompt"] for r in rows] == prompts
     assert [r["completions"][0] for r in rows] == hf_greedy(model, prompts, 8)
 
