@@ -218,8 +218,8 @@ def published_world_calls(d: Dist, outsiders: list[int]):
     """Around a library's start-up that some ranks run (vLLM's engines, on the policy ranks) but that creates
     process groups over the whole world, which every rank must create in the same order: rank 0 writes each
     `new_group` call, and each all-reduce over a group with an outsider in it, to the store, where
-    `mirror_world_calls` on the `outsiders` makes the same calls without the library (importing what vLLM's
-    process-group set-up needs took 8 s of CPU and 380 MB more than torch alone). Every rank that runs the
+    `mirror_world_calls` on the `outsiders` makes the same calls without the library (running vLLM's group
+    set-up cost a reference or reward rank of the tiny job 2.6 s of CPU and 190 MB). Every rank that runs the
     start-up enters; rank 0 publishes."""
     if d.rank != 0 or not outsiders:
         yield
