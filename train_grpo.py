@@ -619,7 +619,7 @@ def main() -> None:
     start_step, export_dir = 0, export_path(cfg.out_dir, cfg.export_dir)
     if roles.is_policy:
         ckpt = Checkpointer(cfg.out_dir, cfg.ckpt, group=roles.groups["policy"])
-        path = ckpt.resume_path()
+        path = ckpt.resume_path(cfg.model.path)
     if exchange(finished_run(path, cfg.train.steps, export_dir))[0]:     # policy rank 0's answer
         if roles.rank == 0:
             print(finished_message("grpo", cfg.out_dir, cfg.train.steps, export_dir))

@@ -163,7 +163,7 @@ def main() -> None:
     d = init_dist(cfg.dist)
     accum = accumulation_steps(cfg.train, d.world_size)
     ckpt = Checkpointer(cfg.out_dir, cfg.ckpt)
-    path, export_dir = ckpt.resume_path(), export_path(cfg.out_dir, cfg.export_dir)
+    path, export_dir = ckpt.resume_path(cfg.model.path), export_path(cfg.out_dir, cfg.export_dir)
     if finished_run(path, cfg.train.steps, export_dir):
         if d.is_rank0:
             print(finished_message("sft", cfg.out_dir, cfg.train.steps, export_dir))

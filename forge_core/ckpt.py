@@ -55,8 +55,10 @@ class Checkpointer:
         self.group_size = dist.get_world_size(group)
         self.request = os.environ.get("FORGE_CHECKPOINT_REQUEST")     # the same on every rank (srun passes it on)
 
-    def resume_path(self) -> Path | None:
-        """The checkpoint to resume from, checked against its manifest; the same answer on every rank."""
+    def resume_path(self, model_path: str) -> Path | None:
+        """The checkpoint to resume from, checked against its manifest; the same answer on every rank. One found
+        in out_dir (`resume: auto`) must come from a run that started from `model_path`: a run of another model
+        in the same out_dir would have gone on with that run's weights, without a word."""
         if self.cfg.resume == "never":
             return None
         if self.cfg.resume != "auto":
@@ -67,6 +69,7 @@ class Checkpointer:
         damaged = []
         for path in reversed(self._all_gather(_step_dirs(self.root))[0]):    # rank 0's list: the same on all
             if (problem := self._verify(path)) is None:
+                _check_started_from(path, model_path)
                 return path
             damaged.append(f"{path.name}: {problem}")
             if self.group_rank == 0:
@@ -251,6 +254,14 @@ class _Writer(FileSystemWriter):
         except BaseException as err:
             self.os_error = next((e for e in (err, err.__context__) if isinstance(e, OSError)), None)
             raise
+
+
+def _check_started_from(checkpoint: Path, model_path: str) -> None:
+    started = json.loads((checkpoint / "meta.json").read_text()).get("config", {}).get("model", {}).get("path")
+    if started is not None and Path(started).resolve() != Path(model_path).resolve():
+        raise ForgeError(f"config error: model.path '{model_path}' is not the model that the run in "
+                         f"{checkpoint.parent.parent} started from ('{started}'), whose checkpoint {checkpoint.name} "
+                         "this run would resume: give another --out_dir (or --ckpt.resume never to start over there)")
 
 
 def export_path(out_dir: str, export_dir: str | None) -> Path:

@@ -39,7 +39,7 @@ def main(mode: str, out: str) -> None:
             fill(model, optim, step)
             ckpt.save(step, model, optim, {"value": step})
             print(f"saved {step}", flush=True)
-    path = ckpt.resume_path()
+    path = ckpt.resume_path("")      # its meta holds no config
     fill(model, optim, -1.0)
     meta = ckpt.load(path, model, optim)
     tensors = [*model.parameters(), *(t for s in optim.state.values() for t in s.values() if t.dim() > 0)]

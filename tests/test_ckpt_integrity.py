@@ -27,6 +27,7 @@ ARGS = ["--train.steps", str(SFT_STEPS), "--train.batch_size", "8", "--train.mic
         "--train.log_every", "1", "--train.eval_every", "0", "--data.eval_rows", "8", "--optim.warmup_steps", "2",
         "--ckpt.save_every", "1", "--ckpt.keep_last", str(SFT_STEPS)]
 SFT_KEYS = ("train/loss", "train/lr", "train/grad_norm")
+MODEL = "artifacts/tiny/init"            # the one-rank runs' model.path
 
 
 # ---- damage, each returning what verification must say about the file ----
@@ -67,7 +68,8 @@ def saved(out: Path, steps: list[int], keep_last: int = 2) -> tuple[Checkpointer
     model(torch.ones(1, 128)).sum().backward()
     optim.step()
     ckpt = Checkpointer(out, CheckpointConfig(keep_last=keep_last))
-    return ckpt, [ckpt.save(step, model, optim, {"scheduler": {}}) for step in steps]
+    meta = {"scheduler": {}, "config": {"model": {"path": MODEL}}}
+    return ckpt, [ckpt.save(step, model, optim, meta) for step in steps]
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
@@ -76,11 +78,11 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_is_used(one_rank, tm
     assert verify_checkpoint(first) is None and verify_checkpoint(second) is None
     problem = f"__0_0.distcp {damage(second / '__0_0.distcp')}"
     assert verify_checkpoint(second) == problem
-    assert ckpt.resume_path() == first
+    assert ckpt.resume_path(MODEL) == first
     assert capsys.readouterr().err == f"checkpoint {second} is damaged ({problem}); trying the one before it\n"
     ckpt.cfg.resume = str(second)
     with pytest.raises(ForgeError, match=re.escape(f"checkpoint error: ckpt.resume '{second}': {problem}")):
-        ckpt.resume_path()
+        ckpt.resume_path(MODEL)
 
 
 def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(one_rank, tmp_path):
@@ -89,7 +91,20 @@ def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(one_rank, tmp_path):
     delete(second / "meta.json")
     with pytest.raises(ForgeError, match="no intact checkpoint in .*step_000002: meta.json missing; "
                                          "step_000001: no manifest.json"):
-        ckpt.resume_path()
+        ckpt.resume_path(MODEL)
+
+
+def test_a_run_of_another_model_in_out_dir_is_not_resumed(one_rank, tmp_path):
+    """Found in out_dir, a checkpoint must come from the model the run names (the same path written another way
+    is the same model); one named by `ckpt.resume` is the user's choice."""
+    ckpt, [first] = saved(tmp_path, [1])
+    assert ckpt.resume_path(f"./{MODEL}/") == first
+    with pytest.raises(ForgeError, match=re.escape(f"config error: model.path 'runs/sft/hf' is not the model that "
+                                                   f"the run in {tmp_path} started from ('{MODEL}'), whose checkpoint "
+                                                   "step_000001 this run would resume: give another --out_dir")):
+        ckpt.resume_path("runs/sft/hf")
+    ckpt.cfg.resume = str(first)
+    assert ckpt.resume_path("runs/sft/hf") == first
 
 
 def test_pruning_keeps_the_newest_and_ignores_checkpoints_past_a_fall_back(one_rank, tmp_path):
@@ -98,7 +113,7 @@ def test_pruning_keeps_the_newest_and_ignores_checkpoints_past_a_fall_back(one_r
     truncate(paths[-1] / "__0_0.distcp")
     _, [fourth] = saved(tmp_path, [4])           # the run that fell back to step 3 saves step 4
     assert sorted(p.name for p in ckpt.root.iterdir()) == ["step_000003", "step_000004", "step_000005"]
-    assert ckpt.resume_path() == fourth
+    assert ckpt.resume_path(MODEL) == fourth
 
 
 def test_a_write_over_the_file_size_limit_is_one_error_and_changes_nothing(one_rank, tmp_path):
@@ -113,7 +128,7 @@ def test_a_write_over_the_file_size_limit_is_one_error_and_changes_nothing(one_r
     assert str(err.value) == ("checkpoint error: writing step_000002 failed on rank 0: [Errno 27] File too large; "
                               "the previous checkpoint step_000001 is untouched")
     assert sorted(p.name for p in ckpt.root.iterdir()) == ["step_000001"]
-    assert verify_checkpoint(first) is None and ckpt.resume_path() == first
+    assert verify_checkpoint(first) is None and ckpt.resume_path(MODEL) == first
 
 
 def test_an_export_over_the_file_size_limit_is_one_error_and_keeps_the_earlier_export(one_rank, tmp_path):
@@ -203,7 +218,7 @@ def test_sft_checkpoint_write_over_the_file_size_limit_fails_cleanly_and_the_run
 def test_sft_export_that_fails_is_one_line_and_running_again_exports(tiny, straight, tmp_path):
     """The finished run's last checkpoint, an export directory that cannot be made: one line on a clean exit;
     run again with a good one, it resumes at the last step and exports the straight run's weights; run a third
-    time, it says so and stops before loading the model."""
+    time, it says so and stops before loading the model; with another model.path, it says that."""
     checkpoints = checkpoints_of(straight, tmp_path, range(SFT_STEPS, SFT_STEPS + 1))
     blocked = tmp_path / "a_file" / "hf"
     blocked.parent.write_text("")
@@ -219,3 +234,7 @@ def test_sft_export_that_fails_is_one_line_and_running_again_exports(tiny, strai
     assert finished.stdout.strip() == (f"sft: {tmp_path} finished its {SFT_STEPS} steps and exported the model to "
                                        f"{tmp_path / 'hf'}: nothing to do (raise --train.steps to train on, or give "
                                        "another --out_dir)")
+    other = run_script("train_sft.py", tiny_sft_args(tiny, tmp_path, *ARGS, "--model.path", str(straight / "hf")),
+                       nproc=2, check=False)
+    assert_clean_error(other, "train_sft.py", f"config error: model.path '{straight / 'hf'}' is not the model that "
+                       f"the run in {tmp_path} started from")
