@@ -82,18 +82,19 @@ def test_grpo_survives_kill9_of_any_rank(tiny, three_role_run, tmp_path):
     killed = []
     try:
         # "start": a share of the first attempt's start-up (fresh workers to their first step), which differs
-        # between CPUs; a fixed 12 s outlasted a whole resumed run once start-up got faster
+        # between CPUs and with the load, or the attempt's first step if that comes sooner; a fixed 12 s outlasted
+        # a whole resumed run once start-up got faster
         moments = [("step", rng.randint(3, 7)), ("start", rng.uniform(0.05, 0.8)), ("step", 1)]
         startup = None
         for victim, (kind, when) in zip(rng.sample(range(3), 3), moments):
             previous = set(killed)
             pids = wait_for(lambda: (w := workers(proc.pid)) and len(w) == 3 and not previous & set(w.values()) and w,
                             proc, "a fresh set of 3 workers")
-            fresh = time.monotonic()
+            fresh, base = time.monotonic(), logged_steps(out)
             if kind == "start":
-                time.sleep(when * startup)
+                wait_for(lambda: time.monotonic() > fresh + when * startup or logged_steps(out) > base, proc,
+                         "the moment in start-up")
             else:
-                base = logged_steps(out)
                 wait_for(lambda: logged_steps(out) > base, proc, "a logged step")
                 startup = startup or time.monotonic() - fresh
                 wait_for(lambda: logged_steps(out) >= base + when, proc, f"{when} more logged steps")
