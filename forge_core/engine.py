@@ -69,7 +69,7 @@ def published_for_ranks_without_engine(roles: Roles | None):
     for the ranks without an engine (`join_engine_groups`). vLLM also counts the nodes of its world by a
     collective probe of shared memory, which a rank without vLLM could not answer: under torchrun the count is
     known (its agents, one a node)."""
-    outsiders = [r for r in range(roles.dist.world_size) if r not in roles.policy_ranks] if roles else []
+    outsiders = roles.reference_ranks + roles.reward_ranks if roles else []
     if not outsiders:
         yield
         return
