@@ -7,26 +7,27 @@ after the call. Users' reward functions run in worker processes on the same term
 Each call (`run_isolated`) runs as `unshare --pid --fork --kill-child --mount-proc --net --ipc -- sh -c MOUNTS --
 prlimit ... -- setpriv ... -- ARGV` in a session of its own (`start_new_session`), with an empty environment, stdin
 from a file and stdout/stderr to unlinked files (RLIMIT_FSIZE bounds them; the first `max_output_bytes` of each are
-read back). MOUNTS makes every host mount read-only but /proc and /sys (device nodes still take writes: /dev/null
-works), puts a tmpfs of `disk_mb` on /tmp, mounts the same one on /var/tmp, /dev/shm and /run/lock, and makes /tmp
-the working directory: everything the code writes there is its own, counts against `disk_mb` (then "No space left
-on device"), and is gone with the call's mount namespace. What holds:
+read back). MOUNTS builds a new root and chroots into it: a read-only tmpfs holding the system directories (/usr,
+/etc, /lib...), the program's own installation (a venv and the interpreter it links to), /proc, /dev/null and
+/dev/urandom, all bound read-only, and a tmpfs of `disk_mb` on /tmp and /dev/shm, the working directory:
+everything the code writes is there, counts against `disk_mb` (then "No space left on device"), and is gone with
+the call's mount namespace. The caller's files, the job's data (its answers too) and every other mount are not
+in the call's root at all. What holds:
 - As root: a PID namespace with its own /proc, a network namespace (a loopback that is down: "Network is
   unreachable"), an IPC namespace, and the code runs with no supplementary groups and no_new_privs as a uid/gid
   of its own: one of `first_user` .. `first_user + users - 1` that no other call on this machine runs as while it
   runs (an flock on a file in a root-only directory holds it; a call waits while all are taken). So file
   permissions apply, RLIMIT_NPROC counts this call's processes only, and calls that run at once share nothing.
 - Not root: the same namespaces inside a user namespace that maps only the caller, as its root
-  (`unshare --user --map-root-user`), which mounts the tmpfs and then runs the code with no capabilities (an
-  empty bounding set): uid 0 inside, the caller's file permissions outside, on read-only mounts: it reads the
-  caller's files but cannot change or delete them. Needs unprivileged user namespaces, else `SandboxError` at
-  the first call. RLIMIT_NPROC counts per call.
+  (`unshare --user --map-root-user`), which builds the root and then runs the code with no capabilities (an
+  empty bounding set): uid 0 inside, the caller's file permissions on what the root holds, all of it read-only.
+  Needs unprivileged user namespaces, else `SandboxError` at the first call. RLIMIT_NPROC counts per call.
 - Either way: when the code's first process ends, or when the call times out and we kill it, the kernel
   kills every process left in its PID namespace, daemons that left the process group with setsid() included.
   That first process is the namespace's init (pid 1), so signals it sends itself without a handler are ignored.
   When the calling process is killed, its calls in flight die with it (PR_SET_PDEATHSIG at both ends).
-Not covered: the code reads what its uid may read (a non-root caller's files too; with no network, what it reads
-goes only into its output); the tmpfs is memory, outside RLIMIT_AS.
+Not covered: the code reads what its uid may read in the system directories (/etc included); the tmpfs is memory,
+outside RLIMIT_AS.
 """
 
 import fcntl
@@ -38,6 +39,7 @@ import signal
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
@@ -71,7 +73,7 @@ class SandboxConfig:
     max_open_files: int = 64            # RLIMIT_NOFILE
     max_output_bytes: int = 4096        # kept of stdout, and of stderr
     workers: int = 8                    # calls that run_python_many runs at once
-    python: str = "/usr/bin/python3"    # must be executable by any user: a venv under /root is not
+    python: str = "/usr/bin/python3"    # or a venv's: its installation is bound into the call's root
     first_user: int = 60000             # as root, each call runs as its own uid/gid of first_user .. + users - 1
     users: int = 1000                   # (isolate's range for its boxes); calls at once beyond that wait
 
@@ -97,7 +99,7 @@ def run_isolated(argv: list[str], cfg: SandboxConfig, stdin: bytes = b"") -> San
     says, in a fresh /tmp; return once no process it started is left."""
     with _own_user(cfg) as uid, tempfile.TemporaryFile() as input_file, tempfile.TemporaryFile() as out, \
             tempfile.TemporaryFile() as err:
-        command = [*_dies_with_caller(), *_namespaces(), *_private_tmp(cfg.disk_mb, uid), *_limits(cfg),
+        command = [*_dies_with_caller(), *_namespaces(), *_private_root(cfg.disk_mb, uid, argv[0]), *_limits(cfg),
                    *_drop_privileges(uid), *argv]
         input_file.write(stdin)
         input_file.seek(0)
@@ -106,7 +108,8 @@ def run_isolated(argv: list[str], cfg: SandboxConfig, stdin: bytes = b"") -> San
                                 start_new_session=True)
         timed_out = _wait_or_kill(proc, cfg.timeout_s)
         seconds = time.perf_counter() - start
-        exit_code = None if timed_out else _exit_code(proc.returncode, err)
+        exit_code = _exit_code(proc.returncode, err)         # drops unshare's own line, as a timeout has it too
+        exit_code = None if timed_out else exit_code
         return SandboxResult(_head(out, cfg.max_output_bytes), _head(err, cfg.max_output_bytes), exit_code,
                              timed_out, seconds)
 
@@ -123,16 +126,17 @@ def run_python_many(codes: list[str], cfg: SandboxConfig) -> list[SandboxResult]
         return list(pool.map(run_python, codes, repeat(cfg)))
 
 
-# ---- the command: namespaces, a private /tmp, then limits, then the unprivileged user ----
+# ---- the command: namespaces, a private root, then limits, then the unprivileged user ----
 
 @cache
 def _namespaces() -> tuple[str, ...]:
-    """`unshare` into new PID (own /proc), mount, network and IPC namespaces, tried once with the private /tmp:
+    """`unshare` into new PID (own /proc), mount, network and IPC namespaces, tried once with the private root:
     fail loudly, never run bare."""
     user_namespace = () if os.geteuid() == 0 else ("--user", "--map-root-user")
     command = (_tool("unshare"), *user_namespace, "--pid", "--fork", "--kill-child", "--mount-proc", "--net",
                "--ipc", "--")
-    probe = subprocess.run([*command, *_private_tmp(1, None), _tool("true")], capture_output=True, text=True)
+    probe = subprocess.run([*command, *_private_root(1, None, _tool("true")), _tool("true")], capture_output=True,
+                           text=True)
     if probe.returncode != 0:
         raise SandboxError(f"sandbox error: cannot create namespaces as uid {os.geteuid()} "
                            f"({probe.stderr.strip()}); run as root or allow unprivileged user namespaces")
@@ -141,38 +145,74 @@ def _namespaces() -> tuple[str, ...]:
     return command
 
 
-SHARED_WRITABLE = ("/var/tmp", "/dev/shm", "/run/lock")     # besides /tmp, where every user may write
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")   # what programs run from
+DEVICES = ("/dev/null", "/dev/urandom")
+NEW_ROOT = "/tmp"       # where the new root is built: the host's /tmp, hidden in this mount namespace only
 
 
-def _private_tmp(disk_mb: int, uid: int | None) -> list[str]:
-    """Inside the namespaces, still privileged there: every host mount the code could write to read-only; then a
-    tmpfs on /tmp, on the other shared writable directories and as the working directory, owned by the code's
-    uid; then the rest of the command."""
-    mount, owner = _tool("mount"), f",uid={uid},gid={uid}" if uid is not None else ""
-    read_only = [f"{mount} -o remount,bind,{options} {shlex.quote(point)}" for point, options in _writable_mounts()]
-    steps = [*read_only, f"{mount} -t tmpfs -o size={disk_mb}m,mode=0700,nosuid,nodev{owner} tmpfs /tmp",
-             *(f"{mount} --bind /tmp {path}" for path in SHARED_WRITABLE if os.path.isdir(path)),
-             "cd /tmp", "unset OLDPWD PWD", 'exec "$@"']
-    return [_tool("sh"), "-c", " && ".join(steps), "sh"]
+def _private_root(disk_mb: int, uid: int | None, program: str) -> list[str]:
+    """Inside the namespaces, still privileged there: a new root that holds only what programs need to run (the
+    system directories, the program's own installation, /proc, a few devices), bound read-only; a tmpfs of
+    disk_mb, owned by the code's uid, on its /tmp and /dev/shm; then chroot into it, cd /tmp and run the rest of
+    the command. The caller's files, the job's data and every other mount are out of sight."""
+    mount, owner, sh = _tool("mount"), f",uid={uid},gid={uid}" if uid is not None else "", _tool("sh")
+    shown = [*(top for top in SYSTEM_DIRS if os.path.lexists(top)), *_installation(program)]
+    links, dirs = [top for top in shown if os.path.islink(top)], [top for top in shown if not os.path.islink(top)]
+    devices = [device for device in DEVICES if os.path.exists(device)]
+    steps = [["umask", "022"], [mount, "-t", "tmpfs", "-o", "size=1m,mode=0755,nosuid,nodev", "tmpfs", NEW_ROOT],
+             [_tool("mkdir"), "-p", *(NEW_ROOT + d for d in (*dirs, "/proc", "/dev/shm", "/tmp"))],
+             *([[_tool("cp"), "-P", *links, NEW_ROOT]] if links else []),
+             *([mount, "--rbind", d, NEW_ROOT + d] for d in dirs),
+             *([mount, "-o", f"remount,bind,{options}", NEW_ROOT + point] for point, options in _read_only(dirs)),
+             [_tool("touch"), *(NEW_ROOT + device for device in devices)],
+             *([mount, "--bind", device, NEW_ROOT + device] for device in devices),
+             [mount, "--rbind", "/proc", NEW_ROOT + "/proc"],
+             [mount, "-t", "tmpfs", "-o", f"size={disk_mb}m,mode=0700,nosuid,nodev{owner}", "tmpfs", NEW_ROOT + "/tmp"],
+             [mount, "--bind", NEW_ROOT + "/tmp", NEW_ROOT + "/dev/shm"],
+             [mount, "-o", "remount,bind,ro,nosuid,nodev", NEW_ROOT],
+             ["exec", _tool("chroot"), NEW_ROOT, sh, "-c", 'cd /tmp && unset OLDPWD PWD && exec "$@"', "sh"]]
+    return [sh, "-c", " && ".join(shlex.join(step) for step in steps) + ' "$@"', "sh"]
 
 
-def _writable_mounts() -> list[tuple[str, str]]:
-    """The host's writable mount points, each with the read-only options to remount it with: its own flags
-    (nosuid, noexec, atime, ...) kept, as a user namespace may not clear them. /proc and /sys are left alone,
-    and so are the directories the private /tmp covers, autofs triggers (touching one would mount it) and mount
-    points this process cannot reach (another user's FUSE mount: remounting it would fail, and the code, with
-    no more rights than this process, cannot reach it either). Read afresh at every call, as mounts come and go."""
+def _installation(program: str) -> list[str]:
+    """The directories a program outside the system directories runs from: the prefix above its bin/ (a venv's,
+    with pyvenv.cfg) and, where it is a link, the prefix of the file it links to (the venv's base interpreter)."""
+    prefixes = {str(Path(program).parent.resolve().parent), str(Path(program).resolve().parent.parent)}
+    system = [os.path.realpath(top) for top in SYSTEM_DIRS]
+    outside = sorted(p for p in prefixes if not any(p == top or p.startswith(top + "/") for top in system))
+    if "/" in outside:
+        raise SandboxError(f"sandbox error: {program} is not installed under a directory of its own")
+    return outside
+
+
+def _read_only(dirs: list[str]) -> list[tuple[str, str]]:
+    """What to remount read-only in the new root, where `dirs` are bound with the mounts under them: each of
+    `dirs` (its binding has the flags of the mount that holds it) and each mount under one, with the flags of
+    its own (nosuid, noexec, atime, ...) kept, as a user namespace may not clear them. Autofs triggers (looking
+    would mount them) and mount points this process cannot reach (another user's FUSE mount: the code, with no
+    more rights than this process, cannot reach it either) are left alone. Read afresh at every call."""
+    mounts = _mounts()
+
+    def holder(path: str) -> str:
+        return max((point for point in mounts if path == point or path.startswith(point.rstrip("/") + "/")), key=len)
+
+    points = [*dirs, *(point for point in mounts for d in dirs if point.startswith(d + "/") and os.path.exists(point))]
+    return [(point, _read_only_options(mounts[holder(point)])) for point in points if "rw" in mounts[holder(point)]]
+
+
+def _mounts() -> dict[str, list[str]]:
+    """Mount points and their options (the top one where several are stacked), autofs triggers left out."""
     mounts = {}
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields, fstype = line.split(), line.split(" - ")[1].split()[0]
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-            options = fields[5].split(",")
-            if "rw" in options and fstype != "autofs" and point not in ("/tmp", *SHARED_WRITABLE) and \
-                    not any(point == top or point.startswith(top + "/") for top in ("/proc", "/sys")) and \
-                    os.path.exists(point):
-                mounts[point] = ",".join("ro" if option == "rw" else option for option in options)
-    return list(mounts.items())
+            if fstype != "autofs":
+                mounts[re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])] = fields[5].split(",")
+    return mounts
+
+
+def _read_only_options(options: list[str]) -> str:
+    return ",".join("ro" if option == "rw" else option for option in options)
 
 
 @contextmanager
@@ -232,7 +272,7 @@ def _drop_privileges(uid: int | None) -> list[str]:
 
 
 def _tool(name: str) -> str:
-    path = shutil.which(name)
+    path = shutil.which(name, path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")   # chroot: sbin, not on every PATH
     if path is None:
         raise SandboxError(f"sandbox error: '{name}' is not on PATH (util-linux and coreutils are needed)")
     return path
@@ -243,16 +283,30 @@ def _tool(name: str) -> str:
 def _wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> bool:
     """Wait for the call; on timeout SIGKILL the PID namespace's init, so the kernel kills everything in the
     namespace, and wait for unshare, which ends only once all of that is gone. True if it timed out."""
-    try:
-        proc.wait(timeout=timeout_s)
-        return False
-    except subprocess.TimeoutExpired:
+    if not _exited(proc.pid, timeout_s):
         init = _children(proc.pid)
         with suppress(ProcessLookupError):
             # killing unshare too would return before the namespace is empty; before its fork, it is all there is
             os.kill(init[0] if init else -proc.pid, signal.SIGKILL)
         proc.wait()
         return True
+    proc.wait()
+    return False
+
+
+def _exited(pid: int, timeout_s: float) -> bool:
+    """Whether child `pid` exits within timeout_s, noticed as it happens and left unreaped (so its pid cannot be
+    reused before we kill what it started). Popen.wait(timeout) polls at intervals that double up to 50 ms,
+    which made a 40 ms call return after 63."""
+    exited = threading.Event()
+
+    def wait_for_exit() -> None:
+        with suppress(ChildProcessError):           # reaped already: after a timeout, by the caller's wait
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        exited.set()
+
+    threading.Thread(target=wait_for_exit, daemon=True).start()
+    return exited.wait(timeout_s)
 
 
 def _children(pid: int) -> list[int]:

@@ -56,7 +56,7 @@ def test_infinite_loop_times_out_and_the_call_returns():
     result = run_python("while True: pass", SandboxConfig(timeout_s=1.0))
     assert result.timed_out and result.exit_code is None
     assert 1.0 <= result.seconds < 2.0
-    assert result.observation().startswith("[timed out after 1.")
+    assert result.observation().startswith("[timed out after 1.") and result.stderr == "", "no line of unshare's"
     assert processes_of(SANDBOX_USERS) == []
 
 
@@ -168,43 +168,65 @@ print(os.stat(".").st_uid, os.listdir("."), os.getcwd())
 
 
 def test_what_a_call_writes_stays_in_its_own_bounded_tmp_and_is_gone_after_it():
-    """/tmp, /var/tmp, /dev/shm and /run/lock are where every uid may write: each call gets a fresh tmpfs of
-    disk_mb there, which neither the host nor later calls see, and which bounds its disk use."""
-    shared = ["/tmp", "/var/tmp", "/dev/shm", "/run/lock"]
+    """/tmp and /dev/shm are where every uid may write: each call gets a fresh tmpfs of disk_mb there, which
+    neither the host nor later calls see, and which bounds its disk use."""
+    shared = ["/tmp", "/dev/shm"]
     name = f"sandbox-probe-{os.getpid()}"
     write = f"for d in {shared!r}:\n    open(d + '/{name}', 'w').write('x')\nopen('big', 'wb').write(bytes(3 << 20))"
     look = f"import os\nprint([os.path.exists(d + '/{name}') for d in {shared!r}])"
     first, second = run_python(write, SandboxConfig(disk_mb=2)), run_python(look, SandboxConfig())
     assert "No space left on device" in first.stderr, first.observation()
-    assert second.stdout == "[False, False, False, False]\n" and not any(Path(d, name).exists() for d in shared)
+    assert second.stdout == "[False, False]\n" and not any(Path(d, name).exists() for d in shared)
 
 
-def test_nothing_outside_the_private_tmp_is_writable():
-    """A cluster's /scratch (a mount point of mode 1777, here a tmpfs under /mnt, with a space that mountinfo
-    escapes) and a directory of mode 1777 on the root filesystem: the code reads them but cannot write to
-    them, so nothing it writes outlives the call. Device nodes still take writes (/dev/null)."""
-    point = Path(tempfile.mkdtemp(dir="/mnt", prefix="forge scratch-"))
-    shared_dir = Path(tempfile.mkdtemp(dir="/mnt", prefix="forge-shared-"))
-    shared_dir.chmod(0o1777)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777,size=1m", "tmpfs", str(point)], check=True)
+def test_only_the_system_and_the_interpreters_installation_are_in_sight():
+    """The call's root holds the system directories, its interpreter's installation, /proc, /dev/null and
+    /dev/urandom, and its /tmp: the repository (its data and answers, its checkpoints), home directories and
+    other mounts are not there to read. What is bound is read-only, a writable mount inside it too (a tmpfs of
+    mode 1777 in the interpreter's directory, whose name has a space that mountinfo escapes)."""
+    install = Path(tempfile.mkdtemp(dir="/mnt", prefix="forge python-"))
+    install.chmod(0o755)
+    (install / "bin").mkdir()
+    (install / "bin" / "python3").symlink_to(SandboxConfig().python)
+    scratch = install / "scratch"
+    scratch.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777,size=1m", "tmpfs", str(scratch)], check=True)
     try:
-        (point / "data.txt").write_text("shared")
+        (scratch / "data.txt").write_text("shared")
         code = f"""
-print(open({str(point / 'data.txt')!r}).read(), end="")
-for path in ({str(point / 'mine.txt')!r}, {str(shared_dir / 'mine.txt')!r}, "/dev/mine"):
+import os
+print(sorted(os.listdir("/")), sorted(os.listdir("/dev")), os.listdir("/mnt"))
+print(open({str(scratch / 'data.txt')!r}).read())
+for path in ({str(REPO / 'README.md')!r}, "/root/.bashrc", "/mnt/sandboxing"):
+    print(os.path.exists(path), end=" ")
+for path in ({str(scratch / 'mine.txt')!r}, "/usr/mine", "/etc/mine", "/mine", "/dev/mine"):
     try:
         open(path, "w")
     except OSError as err:
-        print("", err.strerror, end="")
+        print(err.strerror, end=", ")
 open("/dev/null", "w").write("x")
 """
-        result = run_python(code, SandboxConfig())
-        assert result.stdout == "shared" + " Read-only file system" * 3, result.observation()
-        assert os.listdir(point) == ["data.txt"] and os.listdir(shared_dir) == [] and not Path("/dev/mine").exists()
+        result = run_python(code, SandboxConfig(python=str(install / "bin" / "python3")))
+        system = {name for name in ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
+                  if os.path.lexists("/" + name)}
+        assert result.stdout.splitlines() == [
+            f"{sorted(system | {'proc', 'dev', 'tmp', 'mnt'})} ['null', 'shm', 'urandom'] [{install.name!r}]",
+            "shared", "False False False " + "Read-only file system, " * 5], result.observation()
+        assert os.listdir(scratch) == ["data.txt"] and not Path("/usr/mine").exists()
     finally:
-        subprocess.run(["umount", str(point)], check=True)
-        point.rmdir()
-        shared_dir.rmdir()
+        subprocess.run(["umount", str(scratch)], check=True)
+        shutil.rmtree(install)
+
+
+def test_a_venvs_interpreter_runs_from_its_installation_and_sees_nothing_around_it():
+    """This venv's interpreter (a link to a base interpreter elsewhere, pyenv's under /root here): both
+    installations are bound into the call's root, so the call's uid runs it and imports from them, and the
+    repository around the venv stays out of sight."""
+    code = "import json, os, sys\nprint(os.getuid(), sys.prefix, end=' ')\n" \
+           f"print(os.path.exists({str(REPO / 'README.md')!r}))"
+    result = run_python(code, SandboxConfig(python=sys.executable))
+    uid, prefix, sees_readme = result.stdout.split()
+    assert int(uid) in SANDBOX_USERS and prefix == sys.prefix and sees_readme == "False", result.observation()
 
 
 def test_a_fork_bomb_does_not_stop_calls_that_run_at_once():
@@ -334,9 +356,10 @@ except OSError as err:
     assert processes_of([NOBODY]) == []
 
 
-def test_an_unprivileged_callers_own_files_are_read_only_to_its_calls():
-    """The code has the caller's file permissions outside its /tmp, but every mount is read-only to it: it
-    reads the caller's files (a checkpoint, a home directory) and can neither change nor delete them."""
+def test_an_unprivileged_callers_own_files_are_out_of_its_calls_sight():
+    """The code runs with the caller's file permissions (root of a user namespace that maps only the caller),
+    so what keeps the caller's files (a checkpoint, a home directory) from it is that its root holds none of
+    them: it can neither read, change nor delete them."""
     home = Path(tempfile.mkdtemp(dir="/mnt", prefix="forge-home-"))
     (home / "checkpoint.txt").write_text("step 10")
     os.chown(home, NOBODY, NOBODY)
@@ -344,8 +367,8 @@ def test_an_unprivileged_callers_own_files_are_read_only_to_its_calls():
     checkpoint, new = str(home / "checkpoint.txt"), str(home / "new.txt")
     code = f"""
 import os
-print(open({checkpoint!r}).read())
-for attempt in (lambda: open({checkpoint!r}, "a"), lambda: os.remove({checkpoint!r}), lambda: open({new!r}, "w")):
+for attempt in (lambda: open({checkpoint!r}), lambda: open({checkpoint!r}, "a"), lambda: os.remove({checkpoint!r}),
+                lambda: open({new!r}, "w")):
     try:
         attempt()
     except OSError as err:
@@ -353,7 +376,7 @@ for attempt in (lambda: open({checkpoint!r}, "a"), lambda: os.remove({checkpoint
 """
     try:
         proc = run_as_nobody(code)
-        assert proc.stdout.splitlines() == ["step 10", *["Read-only file system"] * 3], proc.stderr
+        assert proc.stdout.splitlines() == ["No such file or directory"] * 4, proc.stderr
         assert os.listdir(home) == ["checkpoint.txt"] and (home / "checkpoint.txt").read_text() == "step 10"
     finally:
         shutil.rmtree(home)
