@@ -97,6 +97,7 @@ class SandboxResult:
 def run_isolated(argv: list[str], cfg: SandboxConfig, stdin: bytes = b"") -> SandboxResult:
     """Run `argv` (its program must be executable by any user) isolated and limited as the module docstring
     says, in a fresh /tmp; return once no process it started is left."""
+    _check_program(argv[0])
     with _own_user(cfg) as uid, tempfile.TemporaryFile() as input_file, tempfile.TemporaryFile() as out, \
             tempfile.TemporaryFile() as err:
         command = [*_dies_with_caller(), *_namespaces(), *_private_root(cfg.disk_mb, uid, argv[0]), *_limits(cfg),
@@ -143,6 +144,17 @@ def _namespaces() -> tuple[str, ...]:
     if not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"):
         raise SandboxError("sandbox error: this kernel has no /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN)")
     return command
+
+
+@cache
+def _check_program(program: str) -> None:
+    """Once per program: its installation binds into the call's root and it is there to run; else one line now,
+    where every call would fail and the model would read the failure as its own code's."""
+    probe = subprocess.run([*_namespaces(), *_private_root(1, None, program), _tool("test"), "-x", program],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise SandboxError(f"sandbox error: {program} cannot run in the call's root "
+                           f"({' '.join(probe.stderr.split()) or 'not there'})")
 
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")   # what programs run from

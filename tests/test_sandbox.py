@@ -403,6 +403,12 @@ def run_as_nobody(code: str) -> subprocess.CompletedProcess:
     return subprocess.run(caller, cwd="/", capture_output=True, text=True, timeout=30)
 
 
+def test_an_interpreter_that_is_not_there_fails_in_one_line():
+    """Before any call runs: every call would fail, and the model would read it as its own code's failure."""
+    with pytest.raises(SandboxError, match=r"^sandbox error: /nonexistent/bin/python3 cannot run in the call's root"):
+        run_python("print(1)", SandboxConfig(python="/nonexistent/bin/python3"))
+
+
 def test_missing_tools_fail_in_one_line(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(SandboxError, match=r"sandbox error: '\w+' is not on PATH"):
