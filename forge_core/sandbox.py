@@ -159,7 +159,8 @@ def _check_program(program: str) -> None:
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")   # what programs run from
 DEVICES = ("/dev/null", "/dev/urandom")
-NEW_ROOT = "/tmp"       # where the new root is built: the host's /tmp, hidden in this mount namespace only
+NEW_ROOT = "/sys"       # where the root is built, hiding /sys in this mount namespace: no program is installed
+                        # there, where /tmp may hold one (a venv in a clone under /tmp)
 
 
 def _private_root(disk_mb: int, uid: int | None, program: str) -> list[str]:
@@ -172,15 +173,16 @@ def _private_root(disk_mb: int, uid: int | None, program: str) -> list[str]:
     links, dirs = [top for top in shown if os.path.islink(top)], [top for top in shown if not os.path.islink(top)]
     devices = [device for device in DEVICES if os.path.exists(device)]
     steps = [["umask", "022"], [mount, "-t", "tmpfs", "-o", "size=1m,mode=0755,nosuid,nodev", "tmpfs", NEW_ROOT],
-             [_tool("mkdir"), "-p", *(NEW_ROOT + d for d in (*dirs, "/proc", "/dev/shm", "/tmp"))],
+             [_tool("mkdir"), "-p", *(NEW_ROOT + d for d in ("/proc", "/dev/shm", "/tmp"))],
+             [mount, "-t", "tmpfs", "-o", f"size={disk_mb}m,mode=0700,nosuid,nodev{owner}", "tmpfs", NEW_ROOT + "/tmp"],
+             [mount, "--bind", NEW_ROOT + "/tmp", NEW_ROOT + "/dev/shm"],
+             [_tool("mkdir"), "-p", *(NEW_ROOT + d for d in dirs)],      # after /tmp: an installation may be in it
              *([[_tool("cp"), "-P", *links, NEW_ROOT]] if links else []),
              *([mount, "--rbind", d, NEW_ROOT + d] for d in dirs),
              *([mount, "-o", f"remount,bind,{options}", NEW_ROOT + point] for point, options in _read_only(dirs)),
              [_tool("touch"), *(NEW_ROOT + device for device in devices)],
              *([mount, "--bind", device, NEW_ROOT + device] for device in devices),
              [mount, "--rbind", "/proc", NEW_ROOT + "/proc"],
-             [mount, "-t", "tmpfs", "-o", f"size={disk_mb}m,mode=0700,nosuid,nodev{owner}", "tmpfs", NEW_ROOT + "/tmp"],
-             [mount, "--bind", NEW_ROOT + "/tmp", NEW_ROOT + "/dev/shm"],
              [mount, "-o", "remount,bind,ro,nosuid,nodev", NEW_ROOT],
              ["exec", _tool("chroot"), NEW_ROOT, sh, "-c", 'cd /tmp && unset OLDPWD PWD && exec "$@"', "sh"]]
     return [sh, "-c", " && ".join(shlex.join(step) for step in steps) + ' "$@"', "sh"]

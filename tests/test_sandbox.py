@@ -183,8 +183,9 @@ def test_only_the_system_and_the_interpreters_installation_are_in_sight():
     """The call's root holds the system directories, its interpreter's installation, /proc, /dev/null and
     /dev/urandom, and its /tmp: the repository (its data and answers, its checkpoints), home directories and
     other mounts are not there to read. What is bound is read-only, a writable mount inside it too (a tmpfs of
-    mode 1777 in the interpreter's directory, whose name has a space that mountinfo escapes)."""
-    install = Path(tempfile.mkdtemp(dir="/mnt", prefix="forge python-"))
+    mode 1777 in the interpreter's directory, whose name has a space that mountinfo escapes). The installation
+    is under /tmp, as a venv in a clone there is, where the call's own /tmp is: it shows there, read-only."""
+    install = Path(tempfile.mkdtemp(dir="/tmp", prefix="forge python-"))
     install.chmod(0o755)
     (install / "bin").mkdir()
     (install / "bin" / "python3").symlink_to(SandboxConfig().python)
@@ -195,7 +196,7 @@ def test_only_the_system_and_the_interpreters_installation_are_in_sight():
         (scratch / "data.txt").write_text("shared")
         code = f"""
 import os
-print(sorted(os.listdir("/")), sorted(os.listdir("/dev")), os.listdir("/mnt"))
+print(sorted(os.listdir("/")), sorted(os.listdir("/dev")), os.listdir("/tmp"))
 print(open({str(scratch / 'data.txt')!r}).read())
 for path in ({str(REPO / 'README.md')!r}, "/root/.bashrc", "/mnt/sandboxing"):
     print(os.path.exists(path), end=" ")
@@ -210,7 +211,7 @@ open("/dev/null", "w").write("x")
         system = {name for name in ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
                   if os.path.lexists("/" + name)}
         assert result.stdout.splitlines() == [
-            f"{sorted(system | {'proc', 'dev', 'tmp', 'mnt'})} ['null', 'shm', 'urandom'] [{install.name!r}]",
+            f"{sorted(system | {'proc', 'dev', 'tmp'})} ['null', 'shm', 'urandom'] [{install.name!r}]",
             "shared", "False False False " + "Read-only file system, " * 5], result.observation()
         assert os.listdir(scratch) == ["data.txt"] and not Path("/usr/mine").exists()
     finally:
