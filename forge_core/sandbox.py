@@ -131,13 +131,12 @@ def run_python_many(codes: list[str], cfg: SandboxConfig) -> list[SandboxResult]
 
 @cache
 def _namespaces() -> tuple[str, ...]:
-    """`unshare` into new PID (own /proc), mount, network and IPC namespaces, tried once with the private root:
-    fail loudly, never run bare."""
+    """`unshare` into new PID (own /proc), mount, network and IPC namespaces, tried once (and the private root
+    once per program, `_check_program`): fail loudly, never run bare."""
     user_namespace = () if os.geteuid() == 0 else ("--user", "--map-root-user")
     command = (_tool("unshare"), *user_namespace, "--pid", "--fork", "--kill-child", "--mount-proc", "--net",
                "--ipc", "--")
-    probe = subprocess.run([*command, *_private_root(1, None, _tool("true")), _tool("true")], capture_output=True,
-                           text=True)
+    probe = subprocess.run([*command, _tool("true")], capture_output=True, text=True)
     if probe.returncode != 0:
         raise SandboxError(f"sandbox error: cannot create namespaces as uid {os.geteuid()} "
                            f"({probe.stderr.strip()}); run as root or allow unprivileged user namespaces")

@@ -269,7 +269,14 @@ def test_the_warning_before_the_time_limit_saves_and_requeues(slurm, tiny, grpo_
     while (job := slurm.job(job_id))["JobState"] != "PENDING":      # requeued
         assert time.time() < deadline + 120 and job["JobState"] not in DONE, log_tail(job)
         time.sleep(0.2)
-    slurm.cmd("scontrol", "update", f"JobId={job_id}", "StartTime=now")   # SLURM holds a requeued job for 120 s
+    # SLURM holds a requeued job for 120 s. Started at once, it failed once: "Killing non-startable batch JobId=4:
+    # Job credential revoked": slurmd refuses a credential not newer, in whole seconds, than the revocation of the
+    # first run's. So: once the first run's allocation is released (after the revocation), a second more
+    while (node := slurm.cmd("sinfo", "-h", "-n", slurm.node, "-o", "%T", check=False).stdout.strip()) != "idle":
+        assert time.time() < deadline + 240, f"the node stayed {node} after the requeue\n{log_tail(job)}"
+        time.sleep(0.2)
+    time.sleep(1.1)
+    slurm.cmd("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
     job = slurm.wait(job_id)
     assert_completed(job)
