@@ -110,9 +110,8 @@ def run_isolated(argv: list[str], cfg: SandboxConfig, stdin: bytes = b"") -> San
         timed_out = _wait_or_kill(proc, cfg.timeout_s)
         seconds = time.perf_counter() - start
         exit_code = _exit_code(proc.returncode, err)         # drops unshare's own line, as a timeout has it too
-        exit_code = None if timed_out else exit_code
-        return SandboxResult(_head(out, cfg.max_output_bytes), _head(err, cfg.max_output_bytes), exit_code,
-                             timed_out, seconds)
+        return SandboxResult(_head(out, cfg.max_output_bytes), _head(err, cfg.max_output_bytes),
+                             None if timed_out else exit_code, timed_out, seconds)
 
 
 def run_python(code: str, cfg: SandboxConfig) -> SandboxResult:
@@ -192,7 +191,7 @@ def _installation(program: str) -> list[str]:
     with pyvenv.cfg) and, where it is a link, the prefix of the file it links to (the venv's base interpreter)."""
     prefixes = {str(Path(program).parent.resolve().parent), str(Path(program).resolve().parent.parent)}
     system = [os.path.realpath(top) for top in SYSTEM_DIRS]
-    outside = sorted(p for p in prefixes if not any(p == top or p.startswith(top + "/") for top in system))
+    outside = sorted(p for p in prefixes if not any(Path(p).is_relative_to(top) for top in system))
     if "/" in outside:
         raise SandboxError(f"sandbox error: {program} is not installed under a directory of its own")
     return outside
@@ -205,12 +204,9 @@ def _read_only(dirs: list[str]) -> list[tuple[str, str]]:
     would mount them) and mount points this process cannot reach (another user's FUSE mount: the code, with no
     more rights than this process, cannot reach it either) are left alone. Read afresh at every call."""
     mounts = _mounts()
-
-    def holder(path: str) -> str:
-        return max((point for point in mounts if path == point or path.startswith(point.rstrip("/") + "/")), key=len)
-
-    points = [*dirs, *(point for point in mounts for d in dirs if point.startswith(d + "/") and os.path.exists(point))]
-    return [(point, _read_only_options(mounts[holder(point)])) for point in points if "rw" in mounts[holder(point)]]
+    under = [point for point in mounts if any(Path(point).is_relative_to(d) for d in dirs) and os.path.exists(point)]
+    holders = {point: max((m for m in mounts if Path(point).is_relative_to(m)), key=len) for point in (*dirs, *under)}
+    return [(point, _read_only_options(mounts[m])) for point, m in holders.items() if "rw" in mounts[m]]
 
 
 def _mounts() -> dict[str, list[str]]:

@@ -113,10 +113,13 @@ class Cluster:
                         for cmd, out in ((["slurmctld", "-i"], open(root / "slurmctld.out", "w")),
                                          (["slurmd", "-N", self.node], open(root / "slurmd.out", "w")))]
         deadline = time.time() + 60
-        while self.cmd("sinfo", "-h", "-n", self.node, "-o", "%T", check=False).stdout.strip() != "idle":
+        while self.node_state() != "idle":
             assert time.time() < deadline and all(d.poll() is None for d in self.daemons), \
                 f"the SLURM node did not come up:\n{self.daemon_logs()}"
             time.sleep(0.5)
+
+    def node_state(self) -> str:
+        return self.cmd("sinfo", "-h", "-n", self.node, "-o", "%T", check=False).stdout.strip()
 
     def cmd(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run(args, env=self.env, cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -272,7 +275,7 @@ def test_the_warning_before_the_time_limit_saves_and_requeues(slurm, tiny, grpo_
     # SLURM holds a requeued job for 120 s. Started at once, it failed once: "Killing non-startable batch JobId=4:
     # Job credential revoked": slurmd refuses a credential not newer, in whole seconds, than the revocation of the
     # first run's. So: once the first run's allocation is released (after the revocation), a second more
-    while (node := slurm.cmd("sinfo", "-h", "-n", slurm.node, "-o", "%T", check=False).stdout.strip()) != "idle":
+    while (node := slurm.node_state()) != "idle":
         assert time.time() < deadline + 240, f"the node stayed {node} after the requeue\n{log_tail(job)}"
         time.sleep(0.2)
     time.sleep(1.1)
