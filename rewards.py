@@ -3,9 +3,9 @@
 `row` is the data set row the prompt came from (its answer field included). Name functions in the config:
 
     rewards:
-      functions: [addition_correct, format_no_extra_text]       # from this file
+      functions: [addition_correct, "my_rewards.py:brevity"]   # from this file, and one of your own
       weights: [1.0, 0.1]
-    # or a function in your own file / module:   functions: ["my_rewards.py:brevity", "mypkg.scoring:judge"]
+    # or a module's: "mypkg.scoring:judge"
 
 Functions run in worker processes (`rewards.workers`, forge_core/scoring.py): one that raises or returns no finite
 number scores 0 for that sample and is counted in `reward/errors`; one that runs past `rewards.timeout_s` or kills
@@ -15,7 +15,7 @@ its process scores 0 and is counted in `reward/timeouts` or `reward/errors`. The
 import logging
 import re
 
-__all__ = ["addition_correct", "gsm8k_correct", "math_correct", "format_no_extra_text", "extract_gsm8k_answer"]
+__all__ = ["addition_correct", "gsm8k_correct", "math_correct", "extract_gsm8k_answer"]
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -78,7 +78,3 @@ def __getattr__(name: str):
     logging.getLogger("math_verify.grader").setLevel(logging.ERROR)
     return _math_correct
 
-
-def format_no_extra_text(completion: str, row: dict) -> float:
-    """1 if the completion is a bare number (no chatter before or after), else 0."""
-    return float(re.fullmatch(r"\s*-?\d+\s*", completion) is not None)

@@ -14,6 +14,7 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, Literal
 
 if __name__ == "__main__":
@@ -25,7 +26,8 @@ from torch import Tensor
 
 from forge_core.ckpt import CheckpointConfig, Checkpointer, export_path, finished_message, finished_run
 from forge_core.config import ForgeError, config_to_dict, load_config
-from forge_core.data import chat_prompt_ids, read_rows, require_fields, sample_indices
+from forge_core.data import (chat_prompt_ids, context_length, fitting_prompts, read_rows, require_fields,
+                             require_text, sample_indices)
 from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, init_roles, release, role_ranks,
                               run_main, set_phase, wait_idle)
 from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check_kv_cache, check_tensor_parallel,
@@ -39,6 +41,9 @@ from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_s
 from forge_core.rollout import Rollout, balanced_share, engine_share, pad_cat, shared_prompt_rows
 from forge_core.scoring import accuracy_scorer, function_names, load_reward_functions, reward_pool, score
 from forge_core.sync import WeightSync
+
+# where a bare name in rewards.functions or env.name is found: this script's neighbours
+REWARDS_PY, ENVIRONMENTS_PY = (str(Path(__file__).with_name(name)) for name in ("rewards.py", "environments.py"))
 
 
 @dataclass
@@ -210,7 +215,7 @@ def serve(answer: Callable[[dict], dict], steps: range, one_step_off: bool, role
 
 def reward_answerer(cfg: GRPOConfig, roles: Roles, tokenizer, rows: list[dict]) -> Callable[[dict], dict]:
     """Reward ranks score their share of all sequences (i % R) with the reward functions (+ reward model)."""
-    pool = reward_pool(cfg.rewards)
+    pool = reward_pool(cfg.rewards, REWARDS_PY)
     reward_model = RewardModel(cfg, roles) if cfg.rewards.model_path else None
     me, R = roles.reward_ranks.index(roles.rank), len(roles.reward_ranks)
 
@@ -437,24 +442,30 @@ def describe_accuracy(start: dict[str, float], end: dict[str, float], cfg: GRPOC
     return line
 
 
-def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, cfg: GRPOConfig, roles: Roles
-                  ) -> Iterator[Rollout]:
+def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, cfg: GRPOConfig, roles: Roles,
+                  in_flight: Rollout | None) -> Iterator[tuple[Rollout, Rollout | None]]:
     """This policy rank's rollouts in step order, each yielded once its token ids went out to the reward and
     reference ranks (exchange 1); its scores come back in exchange 2, which the trainer waits for when it needs
     them. With `one_step_off`, step t's rollout goes out before step t-1's is trained on, so it was sampled by
-    weights one update older; the truncated importance-sampling weight in `grpo_loss` corrects for that."""
+    weights one update older; the truncated importance-sampling weight in `grpo_loss` corrects for that. Each
+    comes with the rollout then in flight (a checkpoint keeps it); a resumed run sends the one it kept (`in_flight`)
+    instead of sampling its first step again with newer weights."""
     me, P, G = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks), cfg.sampling.num_generations
     tp = cfg.engine.tensor_parallel_size
     (engine, place), per_rank = divmod(me, tp), cfg.train.prompts_per_step // P
-    waiting = None
-    for step in steps:
-        t0 = time.perf_counter()
+
+    def draw(step: int) -> Rollout:
         set_phase("generate")
         drawn = sample_indices(step, cfg.train.prompts_per_step, num_rows, cfg.train.seed)
         index = drawn[engine * per_rank * tp:(engine + 1) * per_rank * tp]
         rollout = engine_share(sample(index, seed=cfg.train.seed + step * 1_000 + engine), len(index), place, tp)
-        rollout = balanced_share(exchange(rollout, roles.groups["policy"]), me, G, cfg.train.micro_batch_size,
-                                 per_rank * G // cfg.train.mini_batches)
+        return balanced_share(exchange(rollout, roles.groups["policy"]), me, G, cfg.train.micro_batch_size,
+                              per_rank * G // cfg.train.mini_batches)
+
+    waiting = None
+    for step in steps:
+        t0 = time.perf_counter()
+        rollout = in_flight if in_flight is not None and step == steps.start else draw(step)
         t1 = time.perf_counter()
         rollout.seconds["generate"] = t1 - t0 - rollout.seconds.get("tools", 0.0)
         send_rollout(rollout, roles)
@@ -463,17 +474,19 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
             receive_scores(None, roles, cfg, local_rewards=None)
             continue
         ready.seconds["score"] = time.perf_counter() - t1
-        yield ready
+        yield ready, waiting
     if waiting is not None:             # one step off: the last rollout's scores are still out
+        # a run stopped early samples its next step's rollout as the straight run does here, for its checkpoint
+        after = draw(steps.stop) if steps.stop < cfg.train.steps else None
         t1 = time.perf_counter()
         send_rollout(None, roles)
         waiting.seconds["score"] = time.perf_counter() - t1
-        yield waiting
+        yield waiting, after
 
 
 def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_rows, steps: range,
-                 ckpt: Checkpointer, policy, optim, sched) -> None:
-    env_class = load_env(cfg.env)
+                 ckpt: Checkpointer, policy, optim, sched, in_flight: Rollout | None) -> None:
+    env_class = load_env(cfg.env, ENVIRONMENTS_PY)
     accuracy_name = cfg.rewards.accuracy or ("env" if env_class else function_names(cfg.rewards)[0])
     tools = bool(stop_strings(env_class))
     console_keys = ("reward/mean", "reward/accuracy", "loss/kl", "completion/length", "episode/turns",
@@ -490,7 +503,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
               f"{engine_dtype(cfg.engine.dtype, on_gpu)}{kernels}")
 
     # The held-out accuracy function is user code too: it runs in workers of this rank's pool
-    pool = reward_pool(cfg.rewards) if not (roles.reward_ranks and env_class) else None
+    pool = reward_pool(cfg.rewards, REWARDS_PY) if not (roles.reward_ranks and env_class) else None
     accuracy = None if env_class else accuracy_scorer(pool, cfg.rewards, accuracy_name)
 
     def local_rewards(rollout: Rollout) -> dict[str, list]:
@@ -515,17 +528,20 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
             rollout.kept = ~zero_variance_groups(rollout.rewards, G)
         rollout.seconds["score"] += time.perf_counter() - t
 
-    rollouts = sent_rollouts(sample, len(rows), steps, cfg, roles)
+    rollouts = sent_rollouts(sample, len(rows), steps, cfg, roles, in_flight)
     last_step_end = time.perf_counter()
-    for step, rollout in zip(steps, rollouts):
+    for step, (rollout, in_flight) in zip(steps, rollouts):
         t_start, sent = time.perf_counter(), rollout.seconds["score"]
         set_phase("train")
         stats = train_on_rollout(policy, optim, sched, rollout, cfg, roles, collect_scores)
         t_train = time.perf_counter()
         done = step + 1
         bad_steps.count(done, stats["train/grad_norm"])     # NaN when an update was skipped
+        evaluating = done == steps.stop or bool(cfg.train.eval_every and done % cfg.train.eval_every == 0)
+        saving = ckpt.due(done, steps.stop)
         set_phase("sync")
-        sync = weight_sync() if done % cfg.train.sync_every == 0 else None
+        # a held-out figure is of the trainer's weights, and a resumed run's engine starts from the checkpoint's
+        sync = weight_sync() if done % cfg.train.sync_every == 0 or evaluating or saving else None
         t_sync = time.perf_counter()
 
         metrics = rollout_metrics(rollout, roles, accuracy_name) | stats
@@ -541,14 +557,17 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         if sync is not None:
             metrics |= {"sync/seconds": sync.seconds, "sync/gather_seconds": sync.gather_seconds,
                         "sync/gigabytes": sync.bytes / 1e9}
-        if done == steps.stop or (cfg.train.eval_every and done % cfg.train.eval_every == 0):
+        if evaluating:
             accuracy_now = held_out()
             metrics |= accuracy_now
         if done % cfg.train.log_every == 0 or "eval/accuracy" in metrics:
             log.log(done, metrics, console_keys)
         set_phase("checkpoint")
-        ckpt.maybe_save(done, steps.stop, policy, optim,
-                        {"scheduler": sched.state_dict(), "config": config_to_dict(cfg)})
+        if saving:
+            ckpt.save_due(done, policy, optim, {"scheduler": sched.state_dict(), "config": config_to_dict(cfg)},
+                          rank_state={"in_flight": None if in_flight is None else vars(in_flight)})
+        if cfg.ckpt.export_every and done % cfg.ckpt.export_every == 0:
+            export_hf(policy, tokenizer, Path(cfg.out_dir) / f"hf_step_{done:06d}", roles.groups["policy"])
         last_step_end = step_end
     set_phase("export")
     if steps.stop == cfg.train.steps:
@@ -600,22 +619,35 @@ def main() -> None:
     cfg = load_config(GRPOConfig)
     roles = init_roles(cfg.layout, cfg.dist, reference_scores=cfg.loss.beta > 0)   # every rank builds every group
     check_config(cfg, roles.dist.world_size, roles.dist.ranks_per_node)
-    load_reward_functions(cfg.rewards)       # a typo in a reward or env name fails here, on every rank, before any work
-    load_env(cfg.env)
+    load_reward_functions(cfg.rewards, REWARDS_PY)    # a typo in a reward or env name fails here, on every rank
+    load_env(cfg.env, ENVIRONMENTS_PY)                # before any work
     rows = read_rows(cfg.data.path, cfg.data.split, cfg.data.subset)
     eval_rows = read_rows(cfg.data.eval_path, cfg.data.eval_split, cfg.data.subset)[:cfg.data.eval_rows]
     require_fields(rows, [cfg.data.prompt_field, cfg.data.answer_field], cfg.data.path)
     require_fields(eval_rows, [cfg.data.prompt_field, cfg.data.answer_field], cfg.data.eval_path)
+    require_text(rows, cfg.data.prompt_field, cfg.data.path, messages=True)
+    require_text(eval_rows, cfg.data.prompt_field, cfg.data.eval_path, messages=True)
     if len(eval_rows) < len(roles.policy_ranks):     # each policy rank evaluates a share of them
         raise ForgeError(f"config error: {len(eval_rows)} held-out row(s) from {cfg.data.eval_path} (data.eval_rows="
                          f"{cfg.data.eval_rows}) for {len(roles.policy_ranks)} policy ranks: give each at least one")
     tokenizer = load_tokenizer(cfg.model)
     check_tensor_parallel(cfg.engine, cfg.model)
+    if cfg.env.name is None:        # single turns: a prompt and its whole completion must fit the engine's context
+        context = context_length(cfg.model, cfg.engine.max_model_len)
+        limit, why = context - cfg.sampling.max_tokens, (f"the engine's {context}-token context less "
+                                                         f"sampling.max_tokens={cfg.sampling.max_tokens}")
+        rows, _, warning = fitting_prompts(rows, tokenizer, cfg.data.prompt_field, limit, cfg.data.path, why)
+        if warning and roles.rank == 0:
+            print(warning, flush=True)
+        eval_rows, _, warning = fitting_prompts(eval_rows, tokenizer, cfg.data.prompt_field, limit,
+                                                cfg.data.eval_path, why)
+        if warning and roles.rank == 0:
+            print(warning, flush=True)
     torch.manual_seed(cfg.train.seed)
 
     # Policy ranks load and shard the model and restore the checkpoint before the engine starts, so the
     # engine is built from (and synced with) the weights training continues from.
-    policy = optim = sched = ckpt = path = None
+    policy = optim = sched = ckpt = path = in_flight = None
     start_step, export_dir = 0, export_path(cfg.out_dir, cfg.export_dir)
     if roles.is_policy:
         ckpt = Checkpointer(cfg.out_dir, cfg.ckpt, group=roles.groups["policy"])
@@ -632,6 +664,8 @@ def main() -> None:
             meta = ckpt.load(path, policy, optim, cfg.train.steps)
             sched.load_state_dict(meta["scheduler"])
             start_step = meta["step"]
+            kept = ckpt.rank_state(path)
+            in_flight = Rollout(**kept["in_flight"]) if kept and kept["in_flight"] else None
     start_step = exchange(start_step)[0]     # every role walks the same steps
     engine = build_engine(cfg.model.path, cfg.engine, cfg.train.seed, roles) if roles.is_policy \
         else join_engine_groups(roles)
@@ -649,7 +683,7 @@ def main() -> None:
     elif roles.is_reward:
         serve(reward_answerer(cfg, roles, tokenizer, rows), steps, cfg.train.one_step_off, roles)
     else:
-        train_policy(cfg, roles, engine, tokenizer, rows, eval_rows, steps, ckpt, policy, optim, sched)
+        train_policy(cfg, roles, engine, tokenizer, rows, eval_rows, steps, ckpt, policy, optim, sched, in_flight)
         release(roles.dist, "policy_done")
     close_dist()
 

@@ -61,7 +61,7 @@ def main(args: argparse.Namespace) -> None:
     passes = [completions(args.completions, seed) for seed in range(args.repeats + 1)]
     fn = getattr(rewards, args.function)
     with ExitStack() as stack:
-        pools = {w: stack.enter_context(FunctionPool([args.function], "rewards", "rewards.functions", workers=w))
+        pools = {w: stack.enter_context(FunctionPool([args.function], str(REPO / "rewards.py"), "rewards.functions", workers=w))
                  for w in args.workers}
         contenders = {"inline": lambda texts, rows: [fn(t, r) for t, r in zip(texts, rows)]} | \
             {f"pool_{w}": partial(pool_scores, pool) for w, pool in pools.items()}

@@ -1,7 +1,8 @@
 """Distributed checkpoints (torch DCP) that neither a crash, `kill -9` nor a damaged disk can cost a run.
 
 Layout under `<out_dir>/checkpoints/`: `step_000040/` holds the DCP shards of model + optimizer, one
-`rng_rank{r}.pt` per rank, `meta.json` (step, scheduler, data position, ...) and, written last, `manifest.json`
+`rng_rank{r}.pt` per rank (and `state_rank{r}.pt` where a script keeps a rank's own state, such as GRPO's rollout
+in flight), `meta.json` (step, scheduler, data position, ...) and, written last, `manifest.json`
 (every file's size and sha256). It is written as `step_000040.tmp/` and renamed when complete: the rename makes
 it appear whole, the manifest proves its bytes. Resume names a damaged one's file and falls back past it.
 
@@ -40,7 +41,7 @@ class CheckpointConfig:
     save_every: int = 0                 # steps between checkpoints; 0 = only the final one
     keep_last: int = 2                  # older checkpoints are deleted; >= 2 leaves one to fall back to
     resume: str = "auto"                # "auto": the newest intact one in out_dir, if any; "never"; or a directory
-    export_every: int = 0               # also export HF safetensors every N steps; 0 = only at the end
+    export_every: int = 0               # also export HF safetensors (<out_dir>/hf_step_N) every N steps; 0 = never
 
 
 class Checkpointer:
@@ -54,6 +55,7 @@ class Checkpointer:
         self.group_rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
         self.request = os.environ.get("FORGE_CHECKPOINT_REQUEST")     # the same on every rank (srun passes it on)
+        self._answering = False         # the checkpoint `due` found is the one asked for
 
     def resume_path(self, model_path: str) -> Path | None:
         """The checkpoint to resume from, checked against its manifest; the same answer on every rank. One found
@@ -80,13 +82,19 @@ class Checkpointer:
         return None
 
     def maybe_save(self, step: int, total_steps: int, model, optim, meta: dict[str, Any]) -> Path | None:
-        requested = self._requested()
-        if requested or step == total_steps or (self.cfg.save_every and step % self.cfg.save_every == 0):
-            path = self.save(step, model, optim, meta)
-            if requested and self.group_rank == 0:
-                _answer_request(self.request, path)
-            return path
-        return None
+        return self.save_due(step, model, optim, meta) if self.due(step, total_steps) else None
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Whether a checkpoint is saved at the end of `step` (the last, every `save_every`, or asked for); ask
+        before work that must precede it (GRPO syncs its engines first), then `save_due`."""
+        self._answering = self._requested()
+        return self._answering or step == total_steps or bool(self.cfg.save_every and step % self.cfg.save_every == 0)
+
+    def save_due(self, step: int, model, optim, meta: dict[str, Any], rank_state: dict | None = None) -> Path:
+        path = self.save(step, model, optim, meta, rank_state)
+        if self._answering and self.group_rank == 0:
+            _answer_request(self.request, path)
+        return path
 
     def _requested(self) -> bool:
         """Whether the request file exists, as group rank 0 sees it (on a shared disk, so any rank could look)."""
@@ -94,7 +102,7 @@ class Checkpointer:
             return False
         return self._all_gather(self.group_rank == 0 and os.path.exists(self.request))[0]
 
-    def save(self, step: int, model, optim, meta: dict[str, Any]) -> Path:
+    def save(self, step: int, model, optim, meta: dict[str, Any], rank_state: dict | None = None) -> Path:
         """DCP shards, per-rank RNG and meta.json into a tmp dir; every rank checksums its share of the files;
         the manifest last; one atomic rename. A failed write (disk full, file too large) is the same
         ForgeError on every rank, with the tmp dir removed and older checkpoints untouched."""
@@ -103,7 +111,7 @@ class Checkpointer:
         if self.group_rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier(group=self.group)
-        self._settle(final, tmp, self._attempt(self._write_state, tmp, step, model, optim, meta))
+        self._settle(final, tmp, self._attempt(self._write_state, tmp, step, model, optim, meta, rank_state))
         names = self._all_gather(sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file()))[0]   # rank 0's
         mine = {name: _file_entry(tmp / name) for name in names[self.group_rank::self.group_size]}
         files = dict(sorted(kv for part in self._all_gather(mine) for kv in part.items()))
@@ -126,7 +134,12 @@ class Checkpointer:
             _set_rng_state(torch.load(rng_file, weights_only=True))
         return meta
 
-    def _write_state(self, tmp: Path, step: int, model, optim, meta: dict[str, Any]) -> None:
+    def rank_state(self, path: Path) -> dict | None:
+        """This rank's own state saved with the checkpoint (`save(rank_state=...)`), None if it saved none."""
+        file = path / f"state_rank{self.rank}.pt"
+        return torch.load(file, weights_only=True) if file.is_file() else None
+
+    def _write_state(self, tmp: Path, step: int, model, optim, meta: dict[str, Any], rank_state: dict | None) -> None:
         model_sd, optim_sd = get_state_dict(model, optim)
         writer = _Writer(tmp)
         try:
@@ -134,6 +147,8 @@ class Checkpointer:
         except CheckpointException as err:
             raise writer.os_error or err
         torch.save(_rng_state(), tmp / f"rng_rank{self.rank}.pt")
+        if rank_state is not None:
+            torch.save(rank_state, tmp / f"state_rank{self.rank}.pt")
         if self.group_rank == 0:
             (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
 

@@ -59,23 +59,32 @@ def config_to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def import_symbol(spec: str, default_module: str, key: str) -> Any:
-    """What a config names: `name` (in `default_module`), `file.py:name` or `package.module:name`."""
+def import_symbol(spec: str, default_file: str, key: str) -> Any:
+    """What a config names: `name` (in `default_file`, which the script passes: its neighbour `rewards.py` or
+    `environments.py`), `file.py:name` or `package.module:name`."""
     where, _, name = spec.rpartition(":")
+    where = where or default_file
     try:
-        if not where:
-            module = importlib.import_module(default_module)
-        elif where.endswith(".py"):
-            loader = importlib.util.spec_from_file_location(Path(where).stem, where)
-            module = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
+        module = _module_from_file(where) if where.endswith(".py") else importlib.import_module(where)
     except (ImportError, FileNotFoundError) as err:
-        raise ForgeError(f"config error: {key}: cannot import '{where or default_module}' ({err})") from None
+        raise ForgeError(f"config error: {key}: cannot import '{where}' ({err})") from None
     if not hasattr(module, name):
-        raise ForgeError(f"config error: {key}: no '{name}' in {where or default_module + '.py'}")
+        raise ForgeError(f"config error: {key}: no '{name}' in {where}")
     return getattr(module, name)
+
+
+def _module_from_file(path: str) -> types.ModuleType:
+    """The module a .py file defines, loaded once per process: the one already imported under its name when
+    that is this file (so `import rewards` and `rewards.py:fn` give the same objects)."""
+    file = Path(path).resolve()
+    loaded = sys.modules.get(file.stem)
+    if loaded is not None and getattr(loaded, "__file__", None) and Path(loaded.__file__).resolve() == file:
+        return loaded
+    loader = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    sys.modules.setdefault(file.stem, module)
+    return module
 
 
 def _pop_config_flag(args: list[str]) -> tuple[Path | None, list[str]]:

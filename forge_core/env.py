@@ -1,7 +1,8 @@
 """Multi-turn episodes: the colocated engine plays the model's turns, an environment answers each one.
 
 An environment is any class with these methods (a protocol: nothing to subclass), named in the config the way
-reward functions are (`env.name: "environments.py:Calculator"`, or `"my_env.py:Maze"`); one instance per episode:
+reward functions are (`env.name: Calculator`, from the script's `environments.py`, or `"my_env.py:Maze"`); one
+instance per episode:
 
     class Guess:
         stop = []                                   # optional: strings that end a model turn mid-message
@@ -69,11 +70,12 @@ class EnvConfig:
     timeout_s: PositiveFloat = 60.0             # a reset or step not back this long after it started ends its episode
 
 
-def load_env(cfg: EnvConfig) -> Callable[[], object] | None:
-    """The environment class named in the config (a one-line error for a bad name), or None (single-turn)."""
+def load_env(cfg: EnvConfig, default_file: str) -> Callable[[], object] | None:
+    """The environment class named in the config (a one-line error for a bad name), or None (single-turn). A
+    bare name is one in `default_file` (the script's neighbour `environments.py`)."""
     if cfg.name is None:
         return None
-    env_class = import_symbol(cfg.name, "environments", "env.name")
+    env_class = import_symbol(cfg.name, default_file, "env.name")
     missing = [m for m in ("reset", "step") if not callable(getattr(env_class, m, None))]
     if missing:
         raise ForgeError(f"config error: env.name: {cfg.name} has no {' or '.join(missing)} method")

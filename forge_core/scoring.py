@@ -8,7 +8,7 @@ code they get no namespaces: reward functions are the user's own code, trusted n
 correct, and keep the trainer's environment and files (their modules, data files), in workers that outlive one
 call (math-verify's import costs a second).
 
-    pool = reward_pool(cfg.rewards)                       # once per rank
+    pool = reward_pool(cfg.rewards, "rewards.py")         # once per rank
     scores = score(completions, rows, pool, cfg.rewards)  # {"rewards", "terms", "errors", "timeouts"}
 """
 
@@ -39,7 +39,7 @@ __all__ = ["FunctionPool", "Outcome", "function_names", "load_reward_functions",
            "accuracy_scorer"]
 
 _PR_SET_PDEATHSIG = 1                   # prctl(2): the signal this process gets when its parent thread ends
-_DEFAULT_MODULE, _KEY = "rewards", "rewards.functions"     # where a bare name is found; what an error names
+_KEY = "rewards.functions"              # what an error names
 
 
 # ---- the reward config's functions (a train_grpo.py RewardConfig: functions, weights, workers, timeouts) ----
@@ -49,9 +49,10 @@ def function_names(cfg) -> list[str]:
     return [spec.rpartition(":")[2] for spec in cfg.functions]
 
 
-def load_reward_functions(cfg) -> dict[str, Callable[[str, dict], float]]:
-    """The functions, imported here to check the names; training calls them in a `reward_pool`'s workers."""
-    functions = {name: import_symbol(spec, _DEFAULT_MODULE, _KEY)
+def load_reward_functions(cfg, default_file: str) -> dict[str, Callable[[str, dict], float]]:
+    """The functions, imported here to check the names; training calls them in a `reward_pool`'s workers. A bare
+    name is one in `default_file` (the script's neighbour `rewards.py`)."""
+    functions = {name: import_symbol(spec, default_file, _KEY)
                  for name, spec in zip(function_names(cfg), cfg.functions)}
     for name, fn in functions.items():
         if not callable(fn):
@@ -62,8 +63,8 @@ def load_reward_functions(cfg) -> dict[str, Callable[[str, dict], float]]:
     return functions
 
 
-def reward_pool(cfg) -> "FunctionPool":
-    return FunctionPool(cfg.functions, _DEFAULT_MODULE, _KEY, cfg.workers, cfg.timeout_s, cfg.memory_mb)
+def reward_pool(cfg, default_file: str) -> "FunctionPool":
+    return FunctionPool(cfg.functions, default_file, _KEY, cfg.workers, cfg.timeout_s, cfg.memory_mb)
 
 
 def score(completions: list[str], rows: list[dict], pool: "FunctionPool", cfg) -> dict[str, list]:
@@ -99,10 +100,10 @@ class Outcome:
 
 class FunctionPool:
     """Worker processes, started once, that import the functions `specs` name (as `import_symbol` reads them:
-    `name` in `default_module`, `file.py:name`, `module:name`) and call them; each call must return a finite
+    `name` in `default_file`, `file.py:name`, `module:name`) and call them; each call must return a finite
     number. `map` sends each worker chunks of calls, and its answers come back one by one.
 
-        with FunctionPool(["math_correct"], "rewards", "rewards.functions", workers=2, timeout_s=5) as pool:
+        with FunctionPool(["math_correct"], "rewards.py", "rewards.functions", workers=2, timeout_s=5) as pool:
             outcomes = pool.map([(0, (completion, row)), ...], deadline_s=60)     # [Outcome], in order
 
     A call that raises, or returns something that is not a finite number (NaN, inf, a string, None), is an
@@ -116,10 +117,10 @@ class FunctionPool:
     from the rank's main thread. A process a function starts in a session of its own outlives its worker.
     """
 
-    def __init__(self, specs: list[str], default_module: str, key: str, workers: int = 2, timeout_s: float = 5.0,
+    def __init__(self, specs: list[str], default_file: str, key: str, workers: int = 2, timeout_s: float = 5.0,
                  memory_mb: int = 2048):
         self.specs, self.key, self.timeout_s = specs, key, timeout_s
-        self._worker_args = (specs, default_module, key, memory_mb, os.getpid())
+        self._worker_args = (specs, default_file, key, memory_mb, os.getpid())
         self._context = multiprocessing.get_context("spawn")
         self._reported: set[int] = set()
         self._workers = [self._start() for _ in range(workers if specs else 0)]
@@ -283,7 +284,7 @@ def _kill(worker: _Worker) -> None:
     worker.conn.close()
 
 
-def _serve_calls(conn: Connection, specs: list[str], default_module: str, key: str, memory_mb: int,
+def _serve_calls(conn: Connection, specs: list[str], default_file: str, key: str, memory_mb: int,
                  parent_pid: int) -> None:
     """A worker: its own process group, killed with its parent, limited; import the functions, then call them
     as chunks come, one answer at a time, until the parent closes the pipe."""
@@ -293,7 +294,7 @@ def _serve_calls(conn: Connection, specs: list[str], default_module: str, key: s
         os._exit(1)
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    functions = [import_symbol(spec, default_module, key) for spec in specs]
+    functions = [import_symbol(spec, default_file, key) for spec in specs]
     conn.send(None)
     while True:
         try:

@@ -14,6 +14,7 @@ from forge_core.dist import Layout, init_roles, run_main
 from forge_core.engine import EngineConfig, SamplingConfig, build_engine
 from forge_core.env import END_REASONS, EnvConfig, load_env, run_episodes, stop_strings
 from forge_core.model import ModelConfig, load_tokenizer
+from train_grpo import ENVIRONMENTS_PY
 
 
 def main(model_dir: str, env_names: list[str]) -> None:
@@ -23,7 +24,7 @@ def main(model_dir: str, env_names: list[str]) -> None:
     rows = [{"prompt": f"{n}+{n}="} for n in range(16)]
     for name in env_names:
         cfg = EnvConfig(name=name, max_turns=2, timeout_s=3.0, workers=16)
-        env_class = load_env(cfg)
+        env_class = load_env(cfg, ENVIRONMENTS_PY)
         start = time.perf_counter()
         rollout = run_episodes(engine, tokenizer, env_class, rows, list(range(16)),
                                SamplingConfig(num_generations=8, max_tokens=16), cfg, seed=0)

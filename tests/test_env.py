@@ -2,17 +2,21 @@
 an observation is appended inline or as the template's next message, and a bad environment (its name, or
 resets that all fail) is a one-line error."""
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
+from conftest import REPO
 from environments import Calculator, GuessNumber, PythonTool, calculate
 from forge_core.config import ForgeError
 from forge_core.engine import SamplingConfig
 from forge_core.env import EnvConfig, _observation_ids, load_env, run_episodes
 from forge_core.rollout import Rollout
-from train_grpo import LossConfig, grpo_loss
+from train_grpo import ENVIRONMENTS_PY, LossConfig, grpo_loss
 
 
 def _episode_rollout(logp_env: float, sampler_env: float, ref_env: float) -> tuple[Rollout, torch.Tensor]:
@@ -94,7 +98,7 @@ def test_observation_is_inline_or_the_templates_next_message(tiny):
 
 def test_an_environment_whose_every_reset_fails_is_one_line():
     """Nothing to play (resets come before the engine is used): the run ends with one line, not empty rollouts."""
-    env_class = load_env(EnvConfig(name="tests/envs_for_tests.py:Unreliable"))
+    env_class = load_env(EnvConfig(name="tests/envs_for_tests.py:Unreliable"), ENVIRONMENTS_PY)
     with pytest.raises(ForgeError, match=r"^env error: every Unreliable.reset of a batch failed \(why: the line"):
         run_episodes(None, None, env_class, [{"prompt": "1+1="}] * 2, [0, 1], SamplingConfig(), EnvConfig(), seed=0)
 
@@ -102,7 +106,7 @@ def test_an_environment_whose_every_reset_fails_is_one_line():
 def test_an_environment_that_calls_sys_exit_fails_its_call_at_once(capsys):
     """sys.exit() in a reset is that call's failure, said as such, not a hang until env.timeout_s (it would
     end only the call's thread) nor the end of the rank."""
-    env_class = load_env(EnvConfig(name="tests/envs_for_tests.py:Exits"))
+    env_class = load_env(EnvConfig(name="tests/envs_for_tests.py:Exits"), ENVIRONMENTS_PY)
     start = time.monotonic()
     with pytest.raises(ForgeError, match=r"^env error: every Exits.reset of a batch failed"):
         run_episodes(None, None, env_class, [{"prompt": "1+1="}] * 2, [0, 1], SamplingConfig(), EnvConfig(), seed=0)
@@ -111,10 +115,32 @@ def test_an_environment_that_calls_sys_exit_fails_its_call_at_once(capsys):
 
 
 def test_a_bad_environment_name_is_one_line():
-    with pytest.raises(ForgeError, match=r"config error: env.name: no 'Maze' in environments.py"):
-        load_env(EnvConfig(name="Maze"))
+    with pytest.raises(ForgeError, match=r"config error: env.name: no 'Maze' in /.*/environments.py"):
+        load_env(EnvConfig(name="Maze"), ENVIRONMENTS_PY)
     with pytest.raises(ForgeError, match=r"config error: env.name: cannot import 'no_such_file.py'"):
-        load_env(EnvConfig(name="no_such_file.py:Maze"))
+        load_env(EnvConfig(name="no_such_file.py:Maze"), ENVIRONMENTS_PY)
     with pytest.raises(ForgeError, match=r"config error: env.name: tests/envs_for_tests.py:NoStep has no step method"):
-        load_env(EnvConfig(name="tests/envs_for_tests.py:NoStep"))
-    assert load_env(EnvConfig()) is None and load_env(EnvConfig(name="Calculator")) is Calculator
+        load_env(EnvConfig(name="tests/envs_for_tests.py:NoStep"), ENVIRONMENTS_PY)
+    assert load_env(EnvConfig(), ENVIRONMENTS_PY) is None
+    assert load_env(EnvConfig(name="Calculator"), ENVIRONMENTS_PY) is Calculator
+
+
+def test_forge_core_finds_bare_names_in_the_files_a_script_passes_without_the_repository_on_sys_path(tmp_path):
+    """pyproject installs forge_core alone: bare names (`addition_correct`, `Calculator`) are looked up in the
+    file the script passes (its neighbour), not in a top-level module found on sys.path."""
+    (tmp_path / "forge_core").symlink_to(REPO / "forge_core")
+    code = f"""
+import sys
+sys.path = [p for p in sys.path if p not in ("", {str(REPO)!r})]
+from types import SimpleNamespace
+from forge_core.env import EnvConfig, load_env
+from forge_core.scoring import load_reward_functions
+cfg = SimpleNamespace(functions=["addition_correct"], weights=None)
+fn = load_reward_functions(cfg, {str(REPO / "rewards.py")!r})["addition_correct"]
+env = load_env(EnvConfig(name="Unreliable"), {str(REPO / "tests" / "envs_for_tests.py")!r})
+print(fn(" 579", {{"answer": 579}}), env.__name__, "rewards" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PATH": os.environ["PATH"]},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["1.0", "Unreliable", "True"]

@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from conftest import FOUR_RANK_STEPS, STEPS, assert_clean_error, assert_same_curve, grpo_args, read_metrics, run_script
+from conftest import (FOUR_RANK_STEPS, REPO, STEPS, assert_clean_error, assert_same_curve, grpo_args, read_metrics,
+                      run_script)
 
 
 def test_synced_engines_equal_the_trainer(tiny, tmp_path):
@@ -92,7 +93,8 @@ def test_dynamic_sampling_drops_zero_variance_groups_from_the_loss(tiny, tmp_pat
 
 @pytest.mark.parametrize("extra, message", [
     (["--layout.reward", "2"], "config error: layout policy=1 reference=1 reward=2 needs 4 ranks; torchrun started 3"),
-    (["--rewards.functions", "no_such_reward"], "config error: rewards.functions: no 'no_such_reward' in rewards.py"),
+    (["--rewards.functions", "no_such_reward"],
+     f"config error: rewards.functions: no 'no_such_reward' in {REPO / 'rewards.py'}"),
     (["--layout.policy", "2", "--layout.reference", "0", "--data.eval_rows", "1"],
      "(data.eval_rows=1) for 2 policy ranks: give each at least one"),
     (["--layout.policy", "3", "--layout.reference", "0", "--layout.reward", "0", "--train.prompts_per_step", "9",
@@ -158,3 +160,29 @@ def test_replicated_policy_ranks_equal_sharded_ones_and_resume(tiny, tmp_path, p
         assert f"grpo: {tmp_path / 'replicated'} finished its 4 steps" in again.stdout
         assert "held-out" not in again.stdout
         assert read_metrics(tmp_path / "replicated") == run
+
+
+def test_stale_engines_resume_as_the_straight_run_and_held_out_figures_are_of_the_exported_weights(tiny, tmp_path):
+    """`sync_every 4` with `one_step_off` and two mini-batches, 3 roles: a run stopped at its step-3 checkpoint and
+    resumed logs the straight run's curve (its engine restarts with the weights the straight run's engine then
+    had, and the rollout in flight at the checkpoint is the one it kept, not one sampled again by newer weights);
+    the final held-out figure (step 6, between syncs) is that of the exported weights: generate.py's greedy
+    completions of the same rows, scored by the same function. Every step exported too (ckpt.export_every)."""
+    from rewards_for_tests import digit_fraction
+    common = ("--train.steps", "6", "--train.sync_every", "4", "--train.one_step_off", "--train.mini_batches", "2",
+              "--ckpt.save_every", "3", "--train.no_eval_sampled")
+    run_script("train_grpo.py", grpo_args(tiny, tmp_path / "straight", *common, "--ckpt.export_every", "3"), nproc=3)
+    resumed = grpo_args(tiny, tmp_path / "resumed", *common)
+    run_script("train_grpo.py", [*resumed, "--train.stop_at_step", "3"], nproc=3)
+    run_script("train_grpo.py", resumed, nproc=3)
+    straight = read_metrics(tmp_path / "straight")
+    assert_same_curve(read_metrics(tmp_path / "resumed"), straight, range(4, 7))
+    assert [p.name for p in sorted((tmp_path / "straight").glob("hf_step_*"))] == ["hf_step_000003", "hf_step_000006"]
+
+    out = tmp_path / "greedy.jsonl"
+    run_script("generate.py", ["--model.path", str(tmp_path / "straight" / "hf"), "--prompts",
+                               str(tiny / "data" / "eval.jsonl"), "--limit", "16", "--sampling.temperature", "0",
+                               "--sampling.max_tokens", "6", "--output", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    exported = sum(digit_fraction(r["completions"][0], r) for r in rows) / len(rows)
+    assert straight[6]["eval/accuracy"] == pytest.approx(exported, abs=1e-6)

@@ -15,6 +15,8 @@ from conftest import REPO, grpo_args, read_metrics, run_script
 from forge_core.sandbox import SandboxError
 from forge_core.scoring import FunctionPool
 
+REWARDS_PY = str(REPO / "rewards.py")
+
 HOSTILE = ["sleeps_forever", "exits", "segfaults", "eats_memory", "returns_nan", "returns_inf", "returns_string",
            "returns_none"]
 NAMES = ["value_of", "sleeps_on_odd", *HOSTILE, "digit_fraction"]
@@ -31,7 +33,7 @@ def calls(name: str, rows: range) -> list[tuple[int, tuple]]:
 
 @pytest.fixture(scope="module")
 def pool():
-    with FunctionPool([spec(n) for n in NAMES], "rewards", "rewards.functions", workers=2, timeout_s=TIMEOUT_S,
+    with FunctionPool([spec(n) for n in NAMES], REWARDS_PY, "rewards.functions", workers=2, timeout_s=TIMEOUT_S,
                       memory_mb=1024) as pool:
         yield pool
 
@@ -93,7 +95,7 @@ def test_the_step_deadline_bounds_a_function_that_hangs_on_every_call(pool):
 
 
 def test_a_function_whose_every_call_fails_is_reported_once(capsys):
-    with FunctionPool([spec("returns_nan"), spec("value_of")], "rewards", "rewards.functions", workers=1) as own:
+    with FunctionPool([spec("returns_nan"), spec("value_of")], REWARDS_PY, "rewards.functions", workers=1) as own:
         for _ in range(2):
             own.map([(0, ("", {"i": 1})), (0, ("", {"i": 2})), (1, ("", {"i": 3}))], deadline_s=30)
     err = capsys.readouterr().err
@@ -103,24 +105,26 @@ def test_a_function_whose_every_call_fails_is_reported_once(capsys):
 
 
 def test_a_function_named_in_rewards_py_by_name():
-    with FunctionPool(["addition_correct"], "rewards", "rewards.functions", workers=1) as own:
+    with FunctionPool(["addition_correct"], REWARDS_PY, "rewards.functions", workers=1) as own:
         assert [o.value for o in own.map([(0, ("12", {"answer": 12})), (0, ("13", {"answer": 12}))], 30)] == [1, 0]
 
 
 def test_a_worker_that_cannot_start_is_a_clear_error():
     with pytest.raises(SandboxError, match="a worker for rewards.functions did not start"):
-        FunctionPool([spec("no_such_function")], "rewards", "rewards.functions", workers=1)
+        FunctionPool([spec("no_such_function")], REWARDS_PY, "rewards.functions", workers=1)
 
 
 def test_workers_end_with_the_pool_and_with_a_killed_parent():
     """close() kills and reaps them; a parent killed with SIGKILL (no clean-up runs) takes them along."""
-    with FunctionPool([spec("value_of")], "rewards", "rewards.functions", workers=2) as own:
+    with FunctionPool([spec("value_of")], REWARDS_PY, "rewards.functions", workers=2) as own:
         workers = [w.process for w in own._workers]
     assert all(p.exitcode is not None for p in workers)
     code = f"""
 import os, signal
 from forge_core.scoring import FunctionPool
-pool = FunctionPool([{spec('sleeps_forever')!r}], "rewards", "rewards.functions", workers=2)
+
+REWARDS_PY = str(REPO / "rewards.py")
+pool = FunctionPool([{spec('sleeps_forever')!r}], REWARDS_PY, "rewards.functions", workers=2)
 print(*(w.process.pid for w in pool._workers), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
