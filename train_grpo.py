@@ -610,6 +610,9 @@ def check_config(cfg: GRPOConfig, world_size: int, ranks_per_node: int) -> None:
     if cfg.sampling.temperature == 0:
         raise ForgeError("config error: sampling.temperature must be > 0 for GRPO "
                          "(the logprobs are of T-scaled logits)")
+    if cfg.sampling.top_p < 1 or cfg.sampling.top_k > 0:
+        raise ForgeError("config error: sampling.top_p < 1 and sampling.top_k are not for GRPO: the engine's logprobs "
+                         "would be of the truncated distribution, the trainer's of the full one (a biased IS weight)")
     if cfg.sampling.num_generations < 2:
         raise ForgeError("config error: sampling.num_generations must be >= 2 (advantages compare a group)")
     check_kv_cache(cfg.engine, min(P, ranks_per_node) // tp)
@@ -634,15 +637,12 @@ def main() -> None:
     check_tensor_parallel(cfg.engine, cfg.model)
     if cfg.env.name is None:        # single turns: a prompt and its whole completion must fit the engine's context
         context = context_length(cfg.model, cfg.engine.max_model_len)
+        warn = lambda line: print(line, flush=True) if roles.rank == 0 else None    # noqa: E731
         limit, why = context - cfg.sampling.max_tokens, (f"the engine's {context}-token context less "
                                                          f"sampling.max_tokens={cfg.sampling.max_tokens}")
-        rows, _, warning = fitting_prompts(rows, tokenizer, cfg.data.prompt_field, limit, cfg.data.path, why)
-        if warning and roles.rank == 0:
-            print(warning, flush=True)
-        eval_rows, _, warning = fitting_prompts(eval_rows, tokenizer, cfg.data.prompt_field, limit,
-                                                cfg.data.eval_path, why)
-        if warning and roles.rank == 0:
-            print(warning, flush=True)
+        rows, _ = fitting_prompts(rows, tokenizer, cfg.data.prompt_field, limit, cfg.data.path, why, warn)
+        eval_rows, _ = fitting_prompts(eval_rows, tokenizer, cfg.data.prompt_field, limit, cfg.data.eval_path, why,
+                                       warn)
     torch.manual_seed(cfg.train.seed)
 
     # Policy ranks load and shard the model and restore the checkpoint before the engine starts, so the

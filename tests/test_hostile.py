@@ -176,6 +176,9 @@ def test_a_kv_cache_larger_than_the_machine_is_named():
     ("rewards", "functions", [], "rewards.functions is empty and there is no env.name: nothing gives rewards"),
     ("rewards", "accuracy", "nope", "rewards.accuracy 'nope' is none of rewards.functions ['addition_correct']"),
     ("sampling", "temperature", 0.0, "sampling.temperature must be > 0 for GRPO (the logprobs are of T-scaled logits)"),
+    *[("sampling", knob, value, "sampling.top_p < 1 and sampling.top_k are not for GRPO: the engine's logprobs would "
+       "be of the truncated distribution, the trainer's of the full one (a biased IS weight)")
+      for knob, value in (("top_p", 0.9), ("top_k", 20))],
 ])
 def test_what_grpo_cannot_train_with_is_named(section, field, value, message):
     cfg = load_config(GRPOConfig, TINY_GRPO)
