@@ -4,8 +4,10 @@ Run as root (as the trainer is here): the code inside runs as uids 60000-60999, 
 """
 
 import dataclasses
+import errno
 import json
 import os
+import platform
 import resource
 import shutil
 import socket
@@ -14,13 +16,14 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import pytest
 
-from forge_core.sandbox import SandboxConfig, SandboxError, run_python, run_python_many
+from forge_core.sandbox import (ETC_NEEDED, SandboxConfig, SandboxError, _hierarchies, _join, run_python,
+                                run_python_many)
 
 REPO = Path(__file__).resolve().parents[1]
 SANDBOX_USERS = range(SandboxConfig().first_user, SandboxConfig().first_user + SandboxConfig().users)
@@ -63,8 +66,8 @@ def test_infinite_loop_times_out_and_the_call_returns():
 def test_limits_are_set_inside():
     cfg = SandboxConfig(cpu_seconds=3, memory_mb=300, file_size_mb=2, max_processes=7, max_open_files=40)
     code = ("import resource as r\nprint([r.getrlimit(getattr(r, 'RLIMIT_' + k))[0] for k in "
-            "('CPU', 'AS', 'FSIZE', 'NPROC', 'NOFILE', 'CORE')])")
-    assert json.loads(run_python(code, cfg).stdout) == [3, 300 << 20, 2 << 20, 7, 40, 0]
+            "('CPU', 'AS', 'FSIZE', 'NPROC', 'NOFILE', 'CORE', 'MEMLOCK')])")
+    assert json.loads(run_python(code, cfg).stdout) == [3, 300 << 20, 2 << 20, 7, 40, 0, 0]
 
 
 def test_cpu_limit_kills_busy_code_before_the_timeout():
@@ -79,6 +82,190 @@ def test_memory_bomb_fails_inside_and_the_parent_is_untouched():
     assert result.exit_code == 1 and "MemoryError" in result.stderr
     assert resource.getrlimit(resource.RLIMIT_AS) == limits_before
     assert len(bytearray(300 << 20)) == 300 << 20
+
+
+MEMORY_HOGS = """
+import os
+release_read, release = os.pipe()
+children = []
+for _ in range({children}):
+    report_read, report = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(release)
+        block = b"x" * ({block_mb} << 20)         # every page touched, so charged
+        os.write(report, b"1")
+        os.read(release_read, 1)                  # held until the parent lets go
+        os._exit(0)
+    os.close(report)
+    os.read(report_read, 1)                       # b"1": it holds its block; b"": it was killed
+    children.append(pid)
+os.close(release)
+exits = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+print(exits.count(0), exits.count(-9))
+"""
+
+
+def call_cgroups() -> list[Path]:
+    return [cgroup for hierarchy in _hierarchies() for cgroup in hierarchy.directory.glob("forge-sandbox-*")]
+
+
+def test_a_calls_processes_share_its_memory_16_calls_at_once():
+    """RLIMIT_AS bounds each process: one call held 11 processes x 200 MB under PythonTool's 256 MB. The call's
+    cgroup bounds them together: of 5 children that each take 48 MB, one after the other, at most 2 hold theirs
+    at once under 120 MB (the OOM killer kills the largest), in each of 16 calls at once."""
+    cfg = SandboxConfig(memory_mb=120, total_memory_mb=16 * 120, workers=16, timeout_s=20)
+    results = run_python_many([MEMORY_HOGS.format(children=5, block_mb=48)] * 16, cfg)
+    for result in results:
+        held, killed = map(int, result.stdout.split())
+        assert 1 <= held <= 2 and held + killed == 5, result.observation()
+    assert call_cgroups() == [] and processes_of(SANDBOX_USERS) == []
+
+
+def test_what_a_call_writes_to_its_tmp_counts_against_its_memory():
+    """The call's /tmp is a tmpfs, memory that no process's RLIMIT_AS counts; the cgroup that writes it is charged,
+    so a call with 100 MB of memory cannot keep 300 MB there, whatever its disk_mb and file_size_mb."""
+    code = """
+with open("big", "wb") as f:
+    for mb in range(1, 301):
+        f.write(bytes(1 << 20))
+        print(mb, end=" ", flush=True)
+"""
+    result = run_python(code, SandboxConfig(memory_mb=100, disk_mb=400, file_size_mb=400))
+    assert result.exit_code != 0 and int(result.stdout.split()[-1]) < 100, result.observation()
+
+
+def test_calls_at_once_hold_at_most_the_total_memory():
+    """16 calls of 200 MB each under a total of 600 MB: 3 run at once, the rest wait for a share."""
+    code = "import time\nstart = time.time()\ntime.sleep(0.3)\nprint(start, time.time())"
+    cfg = SandboxConfig(memory_mb=200, total_memory_mb=600, workers=16)
+    spans = [tuple(map(float, r.stdout.split())) for r in run_python_many([code] * 16, cfg)]
+    at_once = max(sum(start <= moment < end for start, end in spans) for moment, _ in spans)
+    assert at_once == 3, spans
+    with pytest.raises(SandboxError, match=r"^sandbox error: memory_mb 700 is more than total_memory_mb 600"):
+        run_python("print(1)", dataclasses.replace(cfg, memory_mb=700))
+
+
+def test_a_calls_processes_share_its_cpus():
+    """3 busy processes for 1 s of wall time under a quota of 0.1 CPUs: 0.1 s of CPU between them, where RLIMIT_CPU
+    alone let each have a CPU of its own (0.65 s on this 2-core machine, loaded by other jobs)."""
+    code = """
+import os, time
+for _ in range(3):
+    if os.fork() == 0:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            pass
+        os._exit(0)
+for _ in range(3):
+    os.wait()
+print(sum(os.times()[2:4]))
+"""
+    result = run_python(code, SandboxConfig(cpus=0.1))
+    assert float(result.stdout) < 0.3, result.observation()
+
+
+FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+
+
+def test_16_fork_bombs_at_once_are_contained_and_a_call_beside_them_runs():
+    cfg = SandboxConfig(memory_mb=256, timeout_s=1.0, workers=17)
+    start = time.perf_counter()
+    *bombs, beside = run_python_many([FORK_BOMB] * 16 + ["print(1)"], cfg)
+    assert all(b.timed_out for b in bombs) and beside.stdout == "1\n"
+    assert time.perf_counter() - start < 5.0
+    assert processes_of(SANDBOX_USERS) == [] and call_cgroups() == []
+
+
+X86_64_SYSCALLS = {     # name: (number, arguments that make it fail harmlessly where it is allowed)
+    "bpf": (321, (-1, 0, 0)), "io_uring_setup": (425, (1, 0)), "io_uring_enter": (426, (-1, 0, 0, 0, 0, 0)),
+    "io_uring_register": (427, (-1, 0, 0, 0)), "userfaultfd": (323, (-1,)), "perf_event_open": (298, (0, 0, -1, -1, 0)),
+    "keyctl": (250, (-1,)), "add_key": (248, (0, 0, 0, 0, 0)), "request_key": (249, (0, 0, 0, 0)),
+    "ptrace": (101, (-1, 1 << 22, 0, 0)), "mount": (165, (0, 0, 0, 0, 0)), "umount2": (166, (0, 0)),
+    "pivot_root": (155, (0, 0)), "fsopen": (430, (0, 0)), "fsconfig": (431, (-1, 0, 0, 0, 0)),
+    "fsmount": (432, (-1, 0, 0)), "move_mount": (429, (-1, 0, -1, 0, 0)), "open_tree": (428, (-1, 0, 0)),
+    "mount_setattr": (442, (-1, 0, 0, 0, 0)), "kexec_file_load": (320, (-1, -1, 0, 0, 0)),
+    "init_module": (175, (0, 0, 0)), "finit_module": (313, (-1, 0, 0)), "delete_module": (176, (0, 0)),
+}
+SYSCALL_PROBE = """
+import ctypes, json, sys
+libc = ctypes.CDLL(None, use_errno=True)
+errors = {{}}
+for name, (number, arguments) in {calls!r}.items():
+    ctypes.set_errno(0)
+    libc.syscall(number, *arguments)
+    errors[name] = ctypes.get_errno()
+seccomp = [line.split()[1] for line in open("/proc/self/status") if line.startswith("Seccomp:")]
+print(json.dumps([errors, seccomp]))
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the probe's syscall numbers are x86_64's")
+def test_syscalls_no_tool_needs_fail_with_eperm_16_calls_at_once():
+    """Each denied syscall, with arguments that make it fail harmlessly where it is allowed (as in this root process:
+    EFAULT, EBADF, EINVAL...), says EPERM in the call, where the filter is on (Seccomp: 2). kexec_load is probed only
+    in the call (here its arguments could unload a loaded kernel)."""
+    calls = {**X86_64_SYSCALLS, "kexec_load": (246, (0, 0, 0, 0))}
+    here = json.loads(subprocess.run([sys.executable, "-c", SYSCALL_PROBE.format(calls=X86_64_SYSCALLS)],
+                                     capture_output=True, text=True, check=True).stdout)[0]
+    assert errno.EPERM not in here.values(), here
+    cfg = SandboxConfig(memory_mb=256, workers=16)
+    for result in run_python_many([SYSCALL_PROBE.format(calls=calls)] * 16, cfg):
+        errors, seccomp = json.loads(result.stdout)
+        assert errors == dict.fromkeys(calls, errno.EPERM) and seccomp == ["2"], result.observation()
+    x32_getpid = run_python(f"import ctypes\nctypes.CDLL(None).syscall({0x40000000 | 39})\nprint('alive')", cfg)
+    assert x32_getpid.exit_code == -31 and x32_getpid.stdout == "", x32_getpid.observation()      # SIGSYS
+
+
+def test_only_the_files_programs_need_of_etc_are_in_sight_16_calls_at_once():
+    """A container's secrets are often mounted under /etc: the call's /etc holds copies of ETC_NEEDED only. The
+    interpreter and the tools PythonTool runs find all they read there (no line on stderr)."""
+    from environments import PythonTool
+    secret = Path(f"/etc/forge-sandbox-probe-{os.getpid()}")
+    secret.write_text("token")
+    secret.chmod(0o644)
+    try:
+        code = f"""
+import collections, decimal, fractions, json, math, os, re, statistics, subprocess, time
+time.localtime()
+subprocess.run(["/bin/true"], check=True)
+print(sorted(os.listdir("/etc")), os.path.exists({str(secret)!r}), os.path.exists("/etc/passwd"))
+"""
+        results = run_python_many([code] * 16, dataclasses.replace(PythonTool.sandbox, workers=16))
+    finally:
+        secret.unlink()
+    needed = sorted(path.name for pattern in ETC_NEEDED for path in Path("/etc").glob(pattern))
+    assert {(r.stdout, r.stderr) for r in results} == {(f"{needed} False False\n", "")}, results[0]
+
+
+def test_the_host_name_and_cgroups_are_the_calls_own_16_calls_at_once():
+    """UTS and cgroup namespaces: the call's host name is "sandbox", set in the call without the host seeing it,
+    which the code may not change; its cgroups are the root of what it sees (no host path)."""
+    code = """
+import socket
+try:
+    socket.sethostname("mine")
+except OSError as err:
+    print(err.strerror, end=", ")
+print(socket.gethostname(), {line.split(":", 2)[2].strip() for line in open("/proc/self/cgroup")})
+"""
+    host = socket.gethostname()
+    results = run_python_many([code] * 16, SandboxConfig(memory_mb=256, workers=16))
+    assert {r.stdout for r in results} == {"Operation not permitted, sandbox {'/'}\n"}, results[0].observation()
+    assert socket.gethostname() == host != "sandbox"
+
+
+def test_a_cgroup_left_by_a_killed_caller_is_removed_by_the_next():
+    """A caller killed in a call cannot remove its cgroups: the next process to make calls removes those of
+    processes that are gone."""
+    stale = [h.directory / "forge-sandbox-999999999-0" for h in _hierarchies()]
+    for cgroup in stale:
+        cgroup.mkdir()
+    caller = subprocess.run([sys.executable, "-c", "from forge_core.sandbox import SandboxConfig, run_python\n"
+                             "print(run_python('print(1)', SandboxConfig()).stdout, end='')"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert caller.stdout == "1\n", caller.stderr
+    assert not any(cgroup.exists() for cgroup in stale)
 
 
 def test_process_limit_applies_to_the_unprivileged_user():
@@ -397,11 +584,37 @@ def test_a_mount_the_caller_cannot_reach_is_left_alone():
         shutil.rmtree(private)
 
 
-def run_as_nobody(code: str) -> subprocess.CompletedProcess:
-    """run_python(code) called by an unprivileged process (uid 65534)."""
+def test_an_unprivileged_caller_without_a_cgroup_of_its_own_fails_in_one_line():
+    """Not root and in no cgroup delegated to it, the caller cannot bound its calls' memory as a whole: no call."""
+    proc = run_as_nobody("print('ran')", delegated=False)
+    assert proc.stdout == "" and proc.stderr.splitlines()[-1].startswith(
+        "forge_core.sandbox.SandboxError: sandbox error: cannot make a call's cgroups ([Errno 13] Permission denied"), \
+        proc.stderr
+
+
+def run_as_nobody(code: str, delegated: bool = True) -> subprocess.CompletedProcess:
+    """run_python(code) called by an unprivileged process (uid 65534), in cgroups delegated to it or not."""
     caller = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
               SandboxConfig().python, "-I", "-c", UNPRIVILEGED_CALLER, str(REPO), code]
-    return subprocess.run(caller, cwd="/", capture_output=True, text=True, timeout=30)
+    with delegated_cgroups(NOBODY) if delegated else nullcontext([]) as cgroups:
+        moves = [*_join(cgroups)] if cgroups else []
+        return subprocess.run([*moves, *caller], cwd="/", capture_output=True, text=True, timeout=30)
+
+
+@contextmanager
+def delegated_cgroups(uid: int) -> Iterator[list[Path]]:
+    """Cgroups under this process's own that `uid` may make cgroups under and move its processes into, as systemd
+    delegates a user's (cgroup v1: the directory and its cgroup.procs are the user's)."""
+    cgroups = [hierarchy.directory / f"forge-test-delegated-{os.getpid()}" for hierarchy in _hierarchies()]
+    for cgroup in cgroups:
+        cgroup.mkdir()
+        for path in (cgroup, cgroup / "cgroup.procs"):
+            os.chown(path, uid, uid)
+    try:
+        yield cgroups
+    finally:
+        for cgroup in cgroups:
+            cgroup.rmdir()
 
 
 def test_an_interpreter_that_is_not_there_fails_in_one_line():
