@@ -36,7 +36,7 @@ from forge_core.env import EnvConfig, load_env, run_episodes, stop_strings
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, export_hf, linear_kernel, load_model,
-                              load_tokenizer, set_gradient_sync, shard)
+                              load_tokenizer, set_gradient_sync, shard, turn_end)
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
 from forge_core.rollout import Rollout, balanced_share, engine_share, pad_cat, shared_prompt_rows
 from forge_core.scoring import accuracy_scorer, function_names, load_reward_functions, reward_pool, score
@@ -414,13 +414,14 @@ def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles, t
 def sampler(engine, tokenizer, rows: list[dict], cfg: GRPOConfig, env_class) -> Callable[..., Rollout]:
     """`sample(row indices, seed, greedy)` -> Rollout: G completions per prompt, or G episodes per row."""
     prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in rows] if env_class is None else None
-    group = engine_group(cfg.engine)
+    group, turn_end_ids = engine_group(cfg.engine), turn_end(tokenizer).ids     # a completion ends with its turn
 
     def sample(index: list[int], seed: int, greedy: bool = False) -> Rollout:
         if env_class is not None:
             return run_episodes(engine, tokenizer, env_class, [rows[i] for i in index], index, cfg.sampling,
                                 cfg.env, seed, greedy, group)
-        return generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id, seed, greedy)
+        return generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id, seed, greedy,
+                        turn_end_ids)
     return sample
 
 
@@ -637,7 +638,7 @@ def main() -> None:
     check_tensor_parallel(cfg.engine, cfg.model)
     if cfg.env.name is None:        # single turns: a prompt and its whole completion must fit the engine's context
         context = context_length(cfg.model, cfg.engine.max_model_len)
-        warn = lambda line: print(line, flush=True) if roles.rank == 0 else None    # noqa: E731
+        warn = lambda line: print(line, flush=True) if roles.rank == 0 else None
         limit, why = context - cfg.sampling.max_tokens, (f"the engine's {context}-token context less "
                                                          f"sampling.max_tokens={cfg.sampling.max_tokens}")
         rows, _ = fitting_prompts(rows, tokenizer, cfg.data.prompt_field, limit, cfg.data.path, why, warn)

@@ -22,7 +22,8 @@ from .rollout import Rollout, pad_left, pad_right
 
 __all__ = ["EngineConfig", "SamplingConfig", "build_engine", "engine_group", "cpu_engine_setup",
            "eager_everywhere", "inverse_cdf_sampling", "join_engine_groups", "check_kv_cache", "check_tensor_parallel",
-           "engine_dtype", "norm_kernels", "generate", "seeded_draws", "sampling_params", "sampled_logprobs"]
+           "engine_dtype", "norm_kernels", "generate", "seeded_draws", "sampling_params", "sampled_logprobs",
+           "max_model_len"]
 
 Share = Annotated[float, Interval(gt=0, le=1)]
 
@@ -261,13 +262,15 @@ def norm_kernels() -> dict:
 
 
 def generate(engine, prompts: list[list[int]], row_ids: list[int], cfg: SamplingConfig, pad_id: int,
-             seed: int, greedy: bool = False) -> Rollout:
-    """G samples per prompt (1 when greedy) with their per-token logprobs, token ids only (callers decode).
+             seed: int, greedy: bool = False, stop_ids: tuple[int, ...] = ()) -> Rollout:
+    """G samples per prompt (1 when greedy) with their per-token logprobs, token ids only (callers decode); a
+    completion ends at EOS or at one of `stop_ids` (the chat template's end of turn, `model.turn_end`).
     The engine draws from this process's RNGs, seeded per call (`seeded_draws`), so a resumed run draws the same
     samples (per-request seeds would make vLLM's sampler loop over requests in Python every step). One
     request per prompt asks for its G samples (`n`): vLLM then prepares each prompt once, not G times."""
     G = 1 if greedy else cfg.num_generations
-    params = sampling_params(cfg, greedy, n=G, max_tokens=cfg.max_tokens, detokenize=False)
+    params = sampling_params(cfg, greedy, n=G, max_tokens=cfg.max_tokens, detokenize=False,
+                             stop_token_ids=list(stop_ids))
     with seeded_draws(seed):
         outputs = engine.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
     completions, logprobs, truncated = [], [], []
@@ -305,6 +308,11 @@ def sampling_params(cfg: SamplingConfig, greedy: bool, **fixed):
     from vllm import SamplingParams
     return SamplingParams(logprobs=0, temperature=0.0 if greedy else cfg.temperature,
                           top_p=1.0 if greedy else cfg.top_p, top_k=-1 if greedy else cfg.top_k, **fixed)
+
+
+def max_model_len(engine) -> int:
+    """The longest sequence (prompt + completion) the engine takes: `engine.max_model_len`, or the model's."""
+    return engine.model_config.max_model_len
 
 
 def sampled_logprobs(sample) -> list[float]:

@@ -19,14 +19,20 @@ re-tokenized); only observations are tokenized and appended, with `model_mask` 0
 trainer but carry no loss. How an observation is appended depends on how the model's turn ended:
 - at one of the environment's `stop` strings (a tool call such as `<calc>2*3</calc>`): inside the same message,
   as the environment wrote it (`<result>6</result>`), and the model goes on;
-- at EOS (its message is finished): as the next chat message (role `env.observation_role`, default "user"),
-  rendered with the tokenizer's chat template, followed by the assistant header.
+- at the chat template's end of turn (`<|im_end|>`, Llama-3's `<|eot_id|>`, or EOS: `model.turn_end`, which
+  also stops the engine there): as the next chat message (role `env.observation_role`, default "user"),
+  rendered with the chat template, followed by the assistant header;
+- cut by `sampling.max_tokens` (neither): the environment still sees the turn, but unless that ends the episode
+  it ends as `budget` (a cut message is no tool call and no finished message to answer).
 An episode ends when `step` says done, after `max_turns` model turns, when its tokens reach
-`max_episode_tokens`, or on an environment error: `end_reason` records which. Environments are user code, so
-an error costs its episode (reward 0, counted as `env_error`), never the run: a `reset` or `step` that raises
-(the first of each kind is printed, once per rank), a reward that is not a finite number, and a call not back
-`env.timeout_s` after it started (its thread is left behind, as Python cannot stop it, and its place goes to
-the next call, so calls that never return cost their own episodes only).
+`max_episode_tokens` or its context the engine's `max_model_len`, on a cut turn, or on an environment error:
+`end_reason` records which. Environments are user code, so an error costs its episode (reward 0, counted as
+`env_error`), never the run: a `reset` or `step` that raises (the first of each kind is printed, once per
+rank), an answer of the wrong type (a first message or observation that is not a string, a reward that is not
+a finite number, a `done` that is not a bool), and a call not back `env.timeout_s` after it started (its thread
+is left behind, as Python cannot stop it, and its place goes to the next call). Calls still waiting for a place
+twice `env.timeout_s` after the turn's first started are not run and end their episodes the same way: however
+many calls hang, a turn's environment calls take at most that.
 
 Environments run on the policy ranks, beside their engine: every turn needs its observations before the next
 `generate`, so the engine waits for them wherever they are computed; here they cost no collective (the ranks of
@@ -37,6 +43,7 @@ Optional attributes an environment may count, summed into the step's metrics: `t
 """
 
 import math
+import numbers
 import queue
 import sys
 import threading
@@ -45,13 +52,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from pydantic import PositiveFloat, PositiveInt
 
 from .config import ForgeError, import_symbol
 from .data import chat_prompt_ids
-from .engine import SamplingConfig, sampled_logprobs, sampling_params, seeded_draws
+from .engine import SamplingConfig, max_model_len, sampled_logprobs, sampling_params, seeded_draws
+from .model import turn_end
 from .rollout import Rollout, pad_left, pad_right
 
 __all__ = ["EnvConfig", "END_REASONS", "load_env", "stop_strings", "run_episodes"]
@@ -99,6 +108,9 @@ class _Episode:
     tool_calls: int = 0
     end_reason: str | None = None
 
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.ids
+
 
 def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[int], sampling: SamplingConfig,
                  cfg: EnvConfig, seed: int, greedy: bool = False, group: dist.ProcessGroup | None = None) -> Rollout:
@@ -119,22 +131,26 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
         episode.prompt_ids = chat_prompt_ids(tokenizer, "" if first is None else first)
         if first is None:
             episode.end_reason = "env_error"
+    limit, end = max_model_len(engine), turn_end(tokenizer)
     for turn in range(cfg.max_turns):
+        for episode in episodes:        # a context the engine cannot take (a long first message) ends its episode
+            if episode.end_reason is None and len(episode.context()) >= limit:
+                episode.end_reason = "budget"
         running = [e for e in episodes if e.end_reason is None]
         if not running:
             break
         params = [sampling_params(sampling, greedy, n=1, stop=stops, include_stop_str_in_output=True,
-                                  max_tokens=min(sampling.max_tokens, cfg.max_episode_tokens - len(e.ids)))
+                                  stop_token_ids=list(end.ids), max_tokens=min(
+                                      sampling.max_tokens, cfg.max_episode_tokens - len(e.ids), limit - len(e.context())))
                   for e in running]
         with seeded_draws(seed + turn):
-            outputs = engine.generate([{"prompt_token_ids": e.prompt_ids + e.ids} for e in running], params,
-                                      use_tqdm=False)
-        actions = [_take_turn(e, out.outputs[0], tokenizer, stops) for e, out in zip(running, outputs)]
+            outputs = engine.generate([{"prompt_token_ids": e.context()} for e in running], params, use_tqdm=False)
+        actions = [_take_turn(e, out.outputs[0], stops) for e, out in zip(running, outputs)]
         t0 = time.perf_counter()
-        results = _on_first(group, lambda: _calls(_step, running, actions, cfg))
+        results = _on_first(group, lambda: _calls(_step, running, [text for text, _ in actions], cfg))
         tool_seconds += time.perf_counter() - t0
-        for episode, result, (_, at_eos) in zip(running, results, actions):
-            _answer(episode, result, at_eos, turn, tokenizer, cfg)
+        for episode, result, (_, ending) in zip(running, results, actions):
+            _answer(episode, result, ending, turn, tokenizer, end.text, cfg)
     tool_counts = _on_first(group, lambda: [[getattr(e.env, k, 0) for e in episodes] for k in TOOL_COUNTS])
     return _to_rollout(episodes, row_ids, G, tokenizer.pad_token_id, tool_seconds, dict(zip(TOOL_COUNTS, tool_counts)))
 
@@ -150,35 +166,44 @@ def _on_first(group: dist.ProcessGroup | None, compute: Callable[[], object]):
     return result[0]
 
 
-def _take_turn(episode: _Episode, sample, tokenizer, stops: list[str]) -> tuple[str, bool]:
-    """Append the model's turn as generated; the text the environment sees, and whether it ended at EOS. The text
-    is vLLM's, which ends at the stop string where the last sampled token runs past it (SmolLM2 samples `><`
-    after `</python`: the tokens keep the `<`, the environment sees `...</python>`)."""
+def _take_turn(episode: _Episode, sample, stops: list[str]) -> tuple[str, str]:
+    """Append the model's turn as generated; the text the environment sees, and how the turn ended: "tool" (at a
+    stop string), "end" (the template's end of turn, or EOS) or "cut" (by max_tokens). The text is vLLM's, which
+    ends at the stop string where the last sampled token runs past it (SmolLM2 samples `><` after `</python`: the
+    tokens keep the `<`, the environment sees `...</python>`)."""
     ids = list(sample.token_ids)
     episode.ids += ids
     episode.model_mask += [1] * len(ids)
     episode.logprobs += sampled_logprobs(sample)
     episode.turns += 1
-    episode.tool_calls += sample.stop_reason in stops
-    return sample.text, bool(ids) and ids[-1] == tokenizer.eos_token_id
+    tool = sample.stop_reason in stops
+    episode.tool_calls += tool
+    return sample.text, "tool" if tool else "cut" if sample.finish_reason == "length" else "end"
 
 
 def _calls(call, episodes: list[_Episode], args: list, cfg: EnvConfig) -> list:
     """`call(episode, arg)` for each episode, `cfg.workers` at a time, each in a daemon thread of its own; the
     results in order, None for a call not back `cfg.timeout_s` after it started. Such a call's thread is left
     behind (Python cannot stop it) and its place goes to the next call: a pool's worker would stay taken, and
-    calls queued behind hung ones would time out without having run."""
+    calls queued behind hung ones would time out without having run. Calls not started twice `cfg.timeout_s`
+    after the first are not run (None), so that hung calls, however many, cost a bounded time."""
     finished: queue.SimpleQueue = queue.SimpleQueue()
     waiting, started, results, late = deque(range(len(episodes))), {}, [None] * len(episodes), 0
+    last_start = time.monotonic() + 2 * cfg.timeout_s
 
     def run(i: int) -> None:
         finished.put((i, call(episodes[i], args[i])))
 
     while waiting or started:
+        if waiting and time.monotonic() >= last_start:
+            late += len(waiting)
+            waiting.clear()
         while waiting and len(started) < cfg.workers:
             i = waiting.popleft()
             started[i] = time.monotonic()
             threading.Thread(target=run, args=(i,), daemon=True).start()
+        if not started:
+            continue
         try:
             i, result = finished.get(timeout=max(0.0, min(started.values()) + cfg.timeout_s - time.monotonic()))
             if i in started:                            # else given up on already
@@ -190,37 +215,53 @@ def _calls(call, episodes: list[_Episode], args: list, cfg: EnvConfig) -> list:
             for i in expired:
                 del started[i]
     if late:
-        _env_error("timeout", f"{late} environment call(s) not back {cfg.timeout_s:g} s after they started "
-                              "(env.timeout_s)")
+        _env_error("timeout", f"{late} environment call(s) not back {cfg.timeout_s:g} s after they started, or "
+                              "not started within twice that (env.timeout_s)")
     return results
 
 
 def _reset(episode: _Episode, row: dict) -> str | None:
-    """The environment's first message; None when its reset raised."""
-    try:
-        return str(episode.env.reset(row))
-    except (Exception, SystemExit) as err:      # sys.exit() would end only the call's thread, seen as a hang
-        error = type(err).__name__
-        _env_error(f"reset {error}", f"{type(episode.env).__name__}.reset raised {error}: {err}")
-        return None
-
-
-def _step(episode: _Episode, action: tuple[str, bool]) -> tuple[str, float, bool, str] | None:
-    """The environment's answer and the role of its next message (read here, where the environment runs: under
-    tensor parallelism the engine's other ranks have only the answers); None when its step raised or its reward
-    is not a finite number."""
+    """The environment's first message; None when its reset raised or gave no string."""
     name = type(episode.env).__name__
     try:
-        observation, reward, done = episode.env.step(action[0])
-        reward = float(reward)
+        first = episode.env.reset(row)
+    except (Exception, SystemExit) as err:      # sys.exit() would end only the call's thread, seen as a hang
+        error = type(err).__name__
+        _env_error(f"{name}.reset {error}", f"{name}.reset raised {error}: {err}")
+        return None
+    if not isinstance(first, str):
+        _env_error(f"{name}.reset type", f"{name}.reset returned {_shown(first)}, not a string")
+        return None
+    return first
+
+
+def _step(episode: _Episode, action: str) -> tuple[str, float, bool, str] | None:
+    """The environment's answer and the role of its next message (read here, where the environment runs: under
+    tensor parallelism the engine's other ranks have only the answers); None when its step raised or answered
+    with a wrong type: (observation: str, reward: a finite number, done: bool)."""
+    name = type(episode.env).__name__
+    try:
+        observation, reward, done = episode.env.step(action)
     except (Exception, SystemExit) as err:
         error = type(err).__name__
-        _env_error(f"step {error}", f"{name}.step raised {error}: {err}")
+        _env_error(f"{name}.step {error}", f"{name}.step raised {error}: {err}")
         return None
-    if not math.isfinite(reward):
-        _env_error("reward", f"{name}.step returned the reward {reward}")
+    wrong = ("observation", observation, "a string") if not isinstance(observation, str) else \
+        ("reward", reward, "a finite number") if not _is_number(reward) else \
+        ("done", done, "a bool") if not isinstance(done, (bool, np.bool_)) else None
+    if wrong is not None:
+        _env_error(f"{name}.step {wrong[0]}", f"{name}.step returned the {wrong[0]} {_shown(wrong[1])}, not {wrong[2]}")
         return None
-    return str(observation), reward, bool(done), str(getattr(episode.env, "observation_role", "user"))
+    return observation, float(reward), bool(done), str(getattr(episode.env, "observation_role", "user"))
+
+
+def _is_number(value) -> bool:
+    """A finite real number (numpy's too), not a bool or a numeral in a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
+
+
+def _shown(value) -> str:
+    return f"{type(value).__name__} {value!r:.60}"
 
 
 _reported: set[str] = set()
@@ -233,7 +274,7 @@ def _env_error(kind: str, what: str) -> None:
         print(f"env: {what}; such episodes end as env_error (said once)", file=sys.stderr, flush=True)
 
 
-def _answer(episode: _Episode, result, at_eos: bool, turn: int, tokenizer, cfg: EnvConfig) -> None:
+def _answer(episode: _Episode, result, ending: str, turn: int, tokenizer, end_text: str, cfg: EnvConfig) -> None:
     if result is None:
         episode.end_reason = "env_error"
         return
@@ -243,8 +284,10 @@ def _answer(episode: _Episode, result, at_eos: bool, turn: int, tokenizer, cfg: 
         episode.end_reason = "done"
     elif turn + 1 == cfg.max_turns:
         episode.end_reason = "max_turns"
+    elif ending == "cut":
+        episode.end_reason = "budget"
     else:
-        ids = _observation_ids(tokenizer, observation, at_eos, role, cfg.max_observation_tokens)
+        ids = _observation_ids(tokenizer, observation, ending == "end", role, cfg.max_observation_tokens, end_text)
         if len(episode.ids) + len(ids) >= cfg.max_episode_tokens:
             episode.end_reason = "budget"
             return
@@ -253,9 +296,10 @@ def _answer(episode: _Episode, result, at_eos: bool, turn: int, tokenizer, cfg: 
         episode.logprobs += [0.0] * len(ids)
 
 
-def _observation_ids(tokenizer, text: str, new_message: bool, role: str, max_tokens: int) -> list[int]:
-    """Inline (a tool result inside the model's message) or, after EOS, a chat message and the assistant header:
-    the template's text after a finished assistant message's EOS, so the header tokens are the template's own."""
+def _observation_ids(tokenizer, text: str, new_message: bool, role: str, max_tokens: int, end_text: str) -> list[int]:
+    """Inline (a tool result inside the model's message) or, after the end of turn, a chat message and the
+    assistant header: the template's text after a finished assistant message's `end_text` (`model.turn_end`), so
+    the header tokens are the template's own."""
     ids = tokenizer(text, add_special_tokens=False).input_ids[:max_tokens]
     if not new_message:
         return ids
@@ -264,8 +308,8 @@ def _observation_ids(tokenizer, text: str, new_message: bool, role: str, max_tok
     base = tokenizer.apply_chat_template(before, tokenize=False)
     full = tokenizer.apply_chat_template(before + [{"role": role, "content": cut}], tokenize=False,
                                          add_generation_prompt=True)
-    after_eos = base.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)
-    return tokenizer(full[after_eos:], add_special_tokens=False).input_ids
+    after_end = base.rindex(end_text) + len(end_text)
+    return tokenizer(full[after_end:], add_special_tokens=False).input_ids
 
 
 def _to_rollout(episodes: list[_Episode], row_ids: list[int], G: int, pad_id: int, tool_seconds: float,

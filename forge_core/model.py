@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from .ckpt import first_on_any_rank, publish_dir
 from .config import ForgeError
 
-__all__ = ["ModelConfig", "FSDPConfig", "load_model", "load_tokenizer", "shard", "linear_kernel", "cpu_has_bf16",
+__all__ = ["ModelConfig", "FSDPConfig", "TurnEnd", "turn_end", "load_model", "load_tokenizer", "shard", "linear_kernel", "cpu_has_bf16",
            "cpu_prefers_bf16", "bf16_chosen", "use_onednn_linears", "onednn_linear", "set_gradient_sync", "export_hf",
            "full_state_dict"]
 
@@ -78,6 +78,26 @@ def load_tokenizer(cfg: ModelConfig):
         raise ForgeError(f"model error: model.path '{cfg.path}': the tokenizer has no chat template "
                          "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
     return tokenizer
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """How the chat template ends an assistant message: its text (`<|im_end|>`, Llama-3's `<|eot_id|>`, Gemma's
+    `<end_of_turn>`) and the token ids at which a model turn ends: that token, and EOS."""
+    text: str
+    ids: tuple[int, ...]
+
+
+def turn_end(tokenizer) -> TurnEnd:
+    """Read from the template itself: what it writes right after an assistant message's content, when that is
+    one of the tokenizer's added tokens (else EOS alone, as for a template with no end-of-turn token)."""
+    chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
+    rendered = tokenizer.apply_chat_template(chat, tokenize=False)
+    after = tokenizer(rendered[rendered.rindex("!") + 1:], add_special_tokens=False).input_ids
+    eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    if after and after[0] in tokenizer.added_tokens_decoder:
+        return TurnEnd(tokenizer.added_tokens_decoder[after[0]].content, tuple(dict.fromkeys((after[0], *eos))))
+    return TurnEnd(tokenizer.eos_token, eos)
 
 
 def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Module:

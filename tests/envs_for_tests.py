@@ -72,6 +72,29 @@ class Unreliable:
         return "", float("nan") if self.n % 4 == 3 else 1.0, True
 
 
+class Liar:
+    """Answers with the wrong types, by row (`n+n=`): a first message that is not a string (n % 4 == 0), an
+    observation that is a list (1), the reward "1", a string (2), and the `done` "yes" (3)."""
+
+    def reset(self, row: dict):
+        self.n = int(row["prompt"].split("+")[0])
+        return 12345 if self.n % 4 == 0 else row["prompt"]
+
+    def step(self, action: str):
+        return [(["obs"], 1.0, False), ("ok", "1", True), ("ok", 1.0, "yes")][self.n % 4 - 1]
+
+
+class Hangs:
+    """Every step hangs."""
+
+    def reset(self, row: dict) -> str:
+        return row["prompt"]
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        time.sleep(3600)
+        return "", 0.0, True
+
+
 class Exits:
     """Ends the program, as a user's script might: `reset` calls sys.exit(3)."""
 

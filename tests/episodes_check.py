@@ -1,7 +1,7 @@
 """A torchrun program (1 rank) for tests/test_agentic.py: episodes of test environments on the tiny model's real
 engine, 16 prompts x 8 each, in one launch; prints, as one JSON line per environment, the actions it saw (when
 it keeps them), the episodes' end reasons and returns, their tool calls, the sampled tokens that ran past a stop
-string, and the seconds it took. Every turn's steps run 16 at a time, each given up on 3 s after it started.
+string, each episode's text after its prompt (special tokens shown) and end reason, and the seconds it took. Every turn's steps run 16 at a time, each given up on 3 s after it started.
 
     torchrun --standalone --nproc_per_node 1 tests/episodes_check.py MODEL_DIR ENV [ENV ...]
 """
@@ -32,8 +32,10 @@ def main(model_dir: str, env_names: list[str]) -> None:
         sampled = rollout.completion_ids[rollout.model_mask.bool()].tolist()
         tokens = [tokenizer.decode([t], skip_special_tokens=True) for t in sampled]
         stops = stop_strings(env_class)
+        texts = [tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+        ends = [next(r for r in END_REASONS if rollout.episode[f"end_{r}"][i]) for i in range(len(rollout))]
         print(json.dumps({"env": name, "actions": getattr(env_class, "actions", []), "seconds": seconds,
-                          "end_reasons": {r: int(rollout.episode[f"end_{r}"].sum()) for r in END_REASONS},
+                          "end_reasons": {r: ends.count(r) for r in END_REASONS}, "texts": texts, "ends": ends,
                           "returns": rollout.episode["return"].tolist(),
                           "tool_calls": rollout.episode["tool_calls"].sum().item(),
                           "past_stop": [t for t in tokens if any(s in t and not t.endswith(s) for s in stops)]}),

@@ -6,8 +6,11 @@ shortened) learns that the calculator pays."""
 import json
 import os
 import re
+import shutil
+from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from conftest import (HELD_OUT_ACCURACY, assert_same_curve, grpo_args, no_vllm_on_ranks, read_metrics, run_pipeline,
                       run_script)
@@ -66,7 +69,7 @@ def test_a_tensor_parallel_engine_plays_each_episode_once(tiny, tmp_path):
 @pytest.fixture(scope="module")
 def episodes(tiny) -> tuple[dict[str, dict], str]:
     """tests/episodes_check.py on two test environments in one launch: {env: its JSON line}, and stderr."""
-    envs = ["tests/envs_for_tests.py:StopAtST", "tests/envs_for_tests.py:Unreliable"]
+    envs = [f"tests/envs_for_tests.py:{name}" for name in ("StopAtST", "Unreliable", "Liar", "Hangs")]
     proc = run_script("tests/episodes_check.py", [str(tiny / "init"), *envs], nproc=1)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"env": ')]
     return {line["env"].split(":")[1]: line for line in lines}, proc.stderr
@@ -87,15 +90,69 @@ def test_an_environment_that_raises_hangs_or_lies_costs_its_episodes_not_the_run
     """tests/envs_for_tests.py:Unreliable, 16 rows x 8 episodes: the rows whose reset raises, whose step never
     returns (given up env.timeout_s after it started) or returns a NaN reward end as env_error with reward 0, and
     each kind of failure is said once; the other rows' episodes end as they should, though the hung steps (32)
-    took every one of the turn's 16 workers twice over."""
+    took every one of the turn's 16 workers twice over (the last row's 8 calls were not started: twice
+    env.timeout_s had passed; they return NaN anyway)."""
     out, stderr = episodes[0]["Unreliable"], episodes[1]
     assert out["end_reasons"] == {"done": 32, "max_turns": 0, "budget": 0, "env_error": 96}, out["end_reasons"]
     assert sorted(out["returns"]) == [0.0] * 96 + [1.0] * 32
     assert out["seconds"] < 60, out["seconds"]        # the hung steps were given up on, not waited for (1 h)
     for line in ("env: Unreliable.reset raised KeyError: 'question'; such episodes end as env_error (said once)",
-                 "env: 32 environment call(s) not back 3 s after they started (env.timeout_s); such episodes",
-                 "env: Unreliable.step returned the reward nan; such episodes"):
+                 "env: 40 environment call(s) not back 3 s after they started, or not started within twice that",
+                 "env: Unreliable.step returned the reward float nan, not a finite number; such episodes"):
         assert stderr.count(line) == 1, (line, stderr[-3000:])
+
+
+def test_an_environment_that_answers_with_wrong_types_is_not_believed(episodes):
+    """tests/envs_for_tests.py:Liar: a first message that is no string, an observation that is a list, the reward
+    "1" and the `done` "yes" each end their episodes as env_error with return 0 (str(), float() and bool() made
+    them a message, a reward of 1 and the end of a won game: held-out accuracy 1.000), each kind said once."""
+    out, stderr = episodes[0]["Liar"], episodes[1]
+    assert out["end_reasons"] == {"done": 0, "max_turns": 0, "budget": 0, "env_error": 128}, out["end_reasons"]
+    assert out["returns"] == [0.0] * 128
+    for line in ("env: Liar.reset returned int 12345, not a string", "env: Liar.step returned the observation list",
+                 "env: Liar.step returned the reward str '1', not a finite number",
+                 "env: Liar.step returned the done str 'yes', not a bool"):
+        assert stderr.count(line) == 1, (line, stderr[-3000:])
+
+
+def test_a_turn_whose_every_environment_call_hangs_costs_about_the_timeout(episodes):
+    """tests/envs_for_tests.py:Hangs, 128 episodes, 16 calls at once, each given up 3 s after it started: the
+    turn's calls not started 6 s after the first are not run (they queued behind hung ones for 8 x 3 s)."""
+    out = episodes[0]["Hangs"]
+    assert out["end_reasons"]["env_error"] == 128
+    assert out["seconds"] < 15, out["seconds"]
+
+
+@pytest.fixture(scope="module")
+def turn_end_not_eos(tiny, tmp_path_factory) -> Path:
+    """The tiny model whose EOS is <|endoftext|> while its template still ends a turn with <|im_end|> (as Llama-3's
+    <|end_of_text|> and <|eot_id|>)."""
+    model = tmp_path_factory.mktemp("turn_end") / "model"
+    shutil.copytree(tiny / "init", model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"eos_token": "<|endoftext|>"}))
+    eos = AutoTokenizer.from_pretrained(model).eos_token_id
+    for name in ("config.json", "generation_config.json"):
+        if (model / name).exists():
+            (model / name).write_text(json.dumps(json.loads((model / name).read_text()) | {"eos_token_id": eos}))
+    return model
+
+
+def test_episodes_end_turns_at_the_templates_end_of_turn_and_a_cut_turn_ends_the_episode(turn_end_not_eos):
+    """Chatter's episodes on that model: the engine stops a turn at <|im_end|> (it went on past it to max_tokens),
+    an observation after it is the template's next message (looking EOS up in the template raised ValueError and
+    the rank died), and a turn cut by max_tokens ends its episode as `budget` (its observation was appended inline,
+    as if it were a tool call)."""
+    proc = run_script("tests/episodes_check.py", [str(turn_end_not_eos), "tests/envs_for_tests.py:Chatter"], nproc=1)
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith('{"env": ')))
+    texts, ends = out["texts"], out["ends"]
+    assert any("<|im_end|>\n<|im_start|>user\n" in t for t in texts)
+    for text in texts:      # a message follows a turn's end: the template's, or EOS
+        assert text.count("<|im_start|>user") == sum(text.count(f"{end}\n<|im_start|>user")
+                                                     for end in ("<|im_end|>", "<|endoftext|>")), text
+        assert text.count("<|im_end|>") == text.count("<|im_end|>\n<|im_start|>") + text.endswith("<|im_end|>"), text
+    assert 0 < ends.count("budget") and all(not t.endswith("<|im_start|>assistant\n")
+                                            for t, e in zip(texts, ends) if e == "budget")
 
 
 def test_calculator_pipeline_learns_to_use_the_tool(tmp_path):

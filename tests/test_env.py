@@ -15,6 +15,7 @@ from environments import Calculator, GuessNumber, PythonTool, calculate
 from forge_core.config import ForgeError
 from forge_core.engine import SamplingConfig
 from forge_core.env import EnvConfig, _observation_ids, load_env, run_episodes
+from forge_core.model import turn_end
 from forge_core.rollout import Rollout
 from train_grpo import ENVIRONMENTS_PY, LossConfig, grpo_loss
 
@@ -88,12 +89,43 @@ def test_python_tool_runs_model_code_in_the_sandbox():
 def test_observation_is_inline_or_the_templates_next_message(tiny):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(tiny / "init")
-    inline = _observation_ids(tokenizer, "<result>42</result>", new_message=False, role="user", max_tokens=32)
+    inline = _observation_ids(tokenizer, "<result>42</result>", new_message=False, role="user", max_tokens=32,
+                              end_text=turn_end(tokenizer).text)
     assert tokenizer.decode(inline) == "<result>42</result>"
-    message = _observation_ids(tokenizer, "higher", new_message=True, role="user", max_tokens=32)
+    message = _observation_ids(tokenizer, "higher", new_message=True, role="user", max_tokens=32,
+                              end_text=turn_end(tokenizer).text)
     assert tokenizer.decode(message) == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
-    cut = _observation_ids(tokenizer, "123456789", new_message=False, role="user", max_tokens=4)
+    cut = _observation_ids(tokenizer, "123456789", new_message=False, role="user", max_tokens=4,
+                          end_text=turn_end(tokenizer).text)
     assert tokenizer.decode(cut) == "1234"
+
+
+LLAMA3_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
+                   "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>"
+                   "\n\n{% endif %}")
+GEMMA_TEMPLATE = ("{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+                  "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n"
+                  "{% endif %}")
+
+
+@pytest.mark.parametrize("template, special, end, header", [
+    (LLAMA3_TEMPLATE, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|eot_id|>",
+     "<|start_header_id|>user<|end_header_id|>\n\nhigher<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"),
+    (GEMMA_TEMPLATE, ["<start_of_turn>", "<end_of_turn>"], "<end_of_turn>",
+     "\n<start_of_turn>user\nhigher<end_of_turn>\n<start_of_turn>model\n"),
+])
+def test_a_turn_ends_where_the_template_ends_it_when_that_is_not_eos(tiny, template, special, end, header):
+    """Llama-3 ends a turn with <|eot_id|> and Gemma with <end_of_turn>, and EOS is another token (Llama-3's
+    <|end_of_text|>): the engine stops at either, and an observation after the turn's end is the template's next
+    message (looking EOS up in the rendered template raised ValueError, outside any handler)."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "init")
+    tokenizer.add_special_tokens({"eos_token": "<|end_of_text|>", "additional_special_tokens": special})
+    tokenizer.chat_template = template
+    found = turn_end(tokenizer)
+    assert found.text == end and found.ids == tuple(tokenizer.convert_tokens_to_ids([end, "<|end_of_text|>"]))
+    message = _observation_ids(tokenizer, "higher", new_message=True, role="user", max_tokens=32, end_text=found.text)
+    assert tokenizer.decode(message) == header
 
 
 def test_an_environment_whose_every_reset_fails_is_one_line():
