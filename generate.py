@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +22,8 @@ if __name__ == "__main__":
     gc.disable()        # while the imports build what lives as long as the process (dist.freeze_startup_objects)
 
 from forge_core.config import ForgeError, load_config
-from forge_core.data import chat_prompt_ids, read_rows, require_fields
+from forge_core.data import (chat_prompt_ids, context_length, drop_long_prompts, read_rows, require_fields,
+                             require_text)
 from forge_core.dist import Dist, close_dist, exchange, init_dist, run_main
 from forge_core.engine import EngineConfig, SamplingConfig, build_engine, check_tensor_parallel
 from forge_core.model import ModelConfig, load_tokenizer
@@ -50,9 +52,9 @@ def sampling_params(cfg: SamplingConfig, seed: int):
                           top_p=cfg.top_p, top_k=cfg.top_k, seed=seed)
 
 
-def complete(engine, tokenizer, conversations: list[list[dict]], cfg: GenerateConfig) -> list[list[str]]:
-    """num_generations completions (text) for each conversation."""
-    requests = [{"prompt_token_ids": chat_prompt_ids(tokenizer, messages)} for messages in conversations]
+def complete(engine, tokenizer, prompts: list[list[int]], cfg: GenerateConfig) -> list[list[str]]:
+    """num_generations completions (text) for each prompt (token ids, `chat_prompt_ids`)."""
+    requests = [{"prompt_token_ids": ids} for ids in prompts]
     outputs = engine.generate(requests, sampling_params(cfg.sampling, cfg.seed), use_tqdm=False)
     return [[tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in out.outputs] for out in outputs]
 
@@ -61,14 +63,25 @@ def opening(cfg: GenerateConfig) -> list[dict]:
     return [{"role": "system", "content": cfg.system}] if cfg.system else []
 
 
-def batch(engine, tokenizer, cfg: GenerateConfig, d: Dist) -> None:
-    """Each engine completes every n-th row (n engines); rank 0 writes them all, in the file's order."""
+def batch_prompts(cfg: GenerateConfig, tokenizer, warn: Callable[[str], None]) -> tuple[list[dict], list[list[int]]]:
+    """The rows to complete and their prompts' token ids (a string prompt is the user's message, a list of
+    messages the conversation; the system message first), checked before the engine starts: a row whose prompt
+    leaves the engine no room for an answer is left out, and `warn` hears which."""
     rows = read_rows(cfg.prompts, cfg.split, cfg.subset)[:cfg.limit]
     require_fields(rows, [cfg.prompt_field], cfg.prompts)
+    require_text(rows, cfg.prompt_field, cfg.prompts, messages=True)
+    prompts = [row[cfg.prompt_field] for row in rows]
+    conversations = [opening(cfg) + ([{"role": "user", "content": p}] if isinstance(p, str) else p) for p in prompts]
+    context = context_length(cfg.model, cfg.engine.max_model_len)
+    return drop_long_prompts(rows, [chat_prompt_ids(tokenizer, c) for c in conversations], context - 1, cfg.prompts,
+                             f"the engine's {context}-token context leaves no room for an answer", warn)
+
+
+def batch(engine, tokenizer, rows: list[dict], prompts: list[list[int]], cfg: GenerateConfig, d: Dist) -> None:
+    """Each engine completes every n-th row (n engines); rank 0 writes them all, in the file's order."""
     engines = d.world_size // cfg.engine.tensor_parallel_size
     mine = range(d.rank // cfg.engine.tensor_parallel_size, len(rows), engines)
-    conversations = [opening(cfg) + [{"role": "user", "content": rows[i][cfg.prompt_field]}] for i in mine]
-    completions = dict(zip(mine, complete(engine, tokenizer, conversations, cfg) if conversations else []))
+    completions = dict(zip(mine, complete(engine, tokenizer, [prompts[i] for i in mine], cfg) if mine else []))
     completions = {i: texts for share in exchange(completions) for i, texts in share.items()}
     if not d.is_rank0:
         return
@@ -82,8 +95,9 @@ def batch(engine, tokenizer, cfg: GenerateConfig, d: Dist) -> None:
 
 
 def chat(engine, tokenizer, cfg: GenerateConfig, is_rank0: bool) -> None:
-    """A read-eval-print loop; rank 0 reads, every engine rank generates (TP engines are collective)."""
-    messages = opening(cfg)
+    """A read-eval-print loop; rank 0 reads, every engine rank generates (TP engines are collective). A message
+    that would make the conversation longer than the engine holds is left out, with a note."""
+    messages, context = opening(cfg), context_length(cfg.model, cfg.engine.max_model_len)
     while True:
         line = exchange(_read_line() if is_rank0 else None)[0]
         if line is None or line.strip() == "/exit":
@@ -91,9 +105,14 @@ def chat(engine, tokenizer, cfg: GenerateConfig, is_rank0: bool) -> None:
         if line.strip() == "/reset":
             messages = opening(cfg)
             continue
-        messages.append({"role": "user", "content": line})
-        reply = complete(engine, tokenizer, [messages], cfg)[0][0]
-        messages.append({"role": "assistant", "content": reply})
+        prompt = chat_prompt_ids(tokenizer, messages + [{"role": "user", "content": line}])
+        if len(prompt) >= context:      # vLLM refuses it: no room for a single token of the answer
+            if is_rank0:
+                print(f"message left out: the conversation would be {len(prompt)} tokens and the engine holds "
+                      f"{context} (/reset starts a new one)", file=sys.stderr, flush=True)
+            continue
+        reply = complete(engine, tokenizer, [prompt], cfg)[0][0]
+        messages += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
         if is_rank0:
             print(reply, flush=True)
 
@@ -113,11 +132,11 @@ def main() -> None:
                          f"engine.tensor_parallel_size={cfg.engine.tensor_parallel_size}")
     tokenizer = load_tokenizer(cfg.model)
     check_tensor_parallel(cfg.engine, cfg.model)
-    if cfg.prompts is not None:
-        read_rows(cfg.prompts, cfg.split, cfg.subset)     # a bad path fails before the engine starts
+    if cfg.prompts is not None:         # bad rows fail before the engine starts
+        rows, prompts = batch_prompts(cfg, tokenizer, lambda line: print(line, file=sys.stderr) if d.is_rank0 else None)
     engine = build_engine(cfg.model.path, cfg.engine, cfg.seed)
     if cfg.prompts is not None:
-        batch(engine, tokenizer, cfg, d)
+        batch(engine, tokenizer, rows, prompts, cfg, d)
     else:
         chat(engine, tokenizer, cfg, d.is_rank0)
     close_dist()

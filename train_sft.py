@@ -20,8 +20,8 @@ from pydantic import NonNegativeInt, PositiveInt
 
 from forge_core.ckpt import CheckpointConfig, Checkpointer, export_path, finished_message, finished_run
 from forge_core.config import ForgeError, config_to_dict, load_config
-from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, encode_sft, micro_batches,
-                             read_rows, require_fields, sample_indices)
+from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, encode_sft, fitting_prompts,
+                             micro_batches, read_rows, require_fields, require_text, sample_indices)
 from forge_core.dist import Dist, DistConfig, close_dist, freeze_startup_objects, init_dist, run_main, set_phase
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
@@ -62,20 +62,43 @@ class SFTConfig:
 Example = tuple[list[int], list[int]]
 
 
-def load_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], list[dict], int]:
-    """Tokenized training examples, held-out rows, and how many examples were truncated."""
-    rows = read_rows(cfg.path, cfg.split, cfg.subset)
-    require_fields(rows, [cfg.prompt_field, cfg.response_field], cfg.path)
-    if cfg.eval_path is not None:
-        eval_rows = read_rows(cfg.eval_path, cfg.eval_split, cfg.subset)
-        require_fields(eval_rows, [cfg.prompt_field, cfg.response_field], cfg.eval_path)
-        eval_rows = eval_rows[:cfg.eval_rows]
+@dataclass
+class Cuts:
+    """What `load_examples` cut to fit data.max_length, for the log."""
+    truncated: int              # training examples longer than data.max_length, cut to it
+    skipped: int                # rows of data.path whose prompt alone fills it: no response token to train on
+    warnings: list[str]         # a line for each file with rows skipped (held-out rows too)
+
+
+def load_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], list[dict], Cuts]:
+    """Tokenized training examples, held-out rows, and what was cut: a row whose prompt alone fills
+    data.max_length is left out, a longer example is truncated."""
+    rows = checked_rows(cfg, cfg.path, cfg.split)
+    eval_rows = None if cfg.eval_path is None else checked_rows(cfg, cfg.eval_path, cfg.eval_split)[:cfg.eval_rows]
+    limit, why = cfg.max_length - 1, f"data.max_length={cfg.max_length} leaves no response token to train on"
+    warnings: list[str] = []
+    train, prompt_ids = fitting_prompts(rows, tokenizer, cfg.prompt_field, limit, cfg.path, why, warnings.append)
+    skipped = len(rows) - len(train)
+    if eval_rows is not None:
+        eval_rows, _ = fitting_prompts(eval_rows, tokenizer, cfg.prompt_field, limit, cfg.eval_path, why,
+                                       warnings.append)
+    elif cfg.eval_rows >= len(train):
+        raise ForgeError(f"config error: data.eval_rows={cfg.eval_rows} leaves no training rows in {cfg.path}")
     else:
-        if cfg.eval_rows >= len(rows):
-            raise ForgeError(f"config error: data.eval_rows={cfg.eval_rows} leaves no training rows in {cfg.path}")
-        rows, eval_rows = rows[:len(rows) - cfg.eval_rows], rows[len(rows) - cfg.eval_rows:]
-    encoded = [encode_sft(tokenizer, r[cfg.prompt_field], r[cfg.response_field], cfg.max_length) for r in rows]
-    return [(ids, labels) for ids, labels, _ in encoded], eval_rows, sum(t for *_, t in encoded)
+        n = len(train) - cfg.eval_rows
+        train, prompt_ids, eval_rows = train[:n], prompt_ids[:n], train[n:]
+    encoded = [encode_sft(tokenizer, ids, r[cfg.response_field], cfg.max_length) for ids, r in zip(prompt_ids, train)]
+    cuts = Cuts(sum(t for *_, t in encoded), skipped, warnings)
+    return [(ids, labels) for ids, labels, _ in encoded], eval_rows, cuts
+
+
+def checked_rows(cfg: DataConfig, source: str, split: str) -> list[dict]:
+    """A data file's rows, each with a prompt (a string or chat messages) and a response (a string)."""
+    rows = read_rows(source, split, cfg.subset)
+    require_fields(rows, [cfg.prompt_field, cfg.response_field], source)
+    require_text(rows, cfg.prompt_field, source, messages=True)
+    require_text(rows, cfg.response_field, source)
+    return rows
 
 
 def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
@@ -132,7 +155,7 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: SFTConfig, d: Dist) -> dic
     nll, targets = 0.0, 0
     size = cfg.train.micro_batch_size
     for i in range(0, len(mine), size):
-        examples = [encode_sft(tokenizer, p, r, cfg.data.max_length)[:2]
+        examples = [encode_sft(tokenizer, chat_prompt_ids(tokenizer, p), r, cfg.data.max_length)[:2]
                     for p, r in zip(prompts[i:i + size], responses[i:i + size])]
         batch = collate_sft(examples, tokenizer.pad_token_id, pack=False, max_length=cfg.data.max_length)
         targets += int((batch["labels"][:, 1:] != IGNORE).sum())
@@ -170,7 +193,7 @@ def main() -> None:
         close_dist()
         return
     tokenizer = load_tokenizer(cfg.model)
-    examples, eval_rows, truncated = load_examples(cfg.data, tokenizer)
+    examples, eval_rows, cuts = load_examples(cfg.data, tokenizer)
     torch.manual_seed(cfg.train.seed)
     model = shard(load_model(cfg.model), d.mesh, cfg.fsdp)
     optim, sched = build_optimizer(model, cfg.optim, cfg.train.steps)
@@ -181,7 +204,10 @@ def main() -> None:
         start_step = meta["step"]
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=d.is_rank0, start_step=start_step)
     bad_steps = BadSteps(cfg.train.max_bad_steps, log.print)
-    log.print(f"sft: {len(examples)} examples ({truncated} truncated), {len(eval_rows)} held out; "
+    for warning in cuts.warnings:
+        log.print(warning)
+    log.print(f"sft: {len(examples)} examples ({cuts.truncated} truncated, {cuts.skipped} skipped), "
+              f"{len(eval_rows)} held out; "
               f"{d.world_size} ranks x {cfg.train.micro_batch_size} x {accum} accumulation = "
               f"{cfg.train.batch_size} sequences/step; "
               + (f"CPU GEMMs: {linear_kernel(cfg.fsdp)}; " if d.mesh.device_type == "cpu" else "")

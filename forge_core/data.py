@@ -1,11 +1,13 @@
 """Rows in (JSONL / Parquet / a `datasets` name), token ids out: chat template, response-only labels,
-optional packing, and a step-indexed sample stream that makes resuming exact (position = step).
+optional packing, and a step-indexed sample stream that makes resuming exact (position = step). A bad row is a
+one-line data error naming its file and row; a prompt too long for what must follow it is dropped and counted.
 
 Also the synthetic verifiable task the tiny default job learns: addition.
 """
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,9 +15,11 @@ import torch
 from pydantic import PositiveInt
 
 from .config import ForgeError
+from .model import ModelConfig
 
-__all__ = ["DataConfig", "read_rows", "require_fields", "chat_prompt_ids", "encode_sft", "sample_indices",
-           "micro_batches", "collate_sft", "addition_rows", "multiplication_rows", "guess_rows", "careless", "IGNORE"]
+__all__ = ["DataConfig", "read_rows", "require_fields", "require_text", "chat_prompt_ids", "context_length",
+           "drop_long_prompts", "fitting_prompts", "encode_sft", "sample_indices", "micro_batches", "collate_sft",
+           "addition_rows", "multiplication_rows", "guess_rows", "careless", "IGNORE"]
 
 IGNORE = -100   # label of a token that is not trained on (prompt, padding)
 
@@ -30,7 +34,8 @@ class DataConfig:
     eval_path: str | None = "artifacts/tiny/data/eval.jsonl"   # held-out rows; None: hold out eval_rows
     eval_split: str = "test"                         # for a `datasets` name
     eval_rows: PositiveInt = 200                     # held-out rows evaluated (taken from the end if no eval_path)
-    max_length: PositiveInt = 256                    # longer examples are truncated (and counted)
+    max_length: PositiveInt = 256                    # longer examples are truncated (and counted); a row whose
+                                                     # prompt alone fills it is skipped (and counted)
     pack: bool = False                               # pack a micro-batch's examples into fewer rows
 
 
@@ -54,31 +59,82 @@ def read_rows(source: str, split: str = "train", subset: str | None = None) -> l
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    text = path.read_text()
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        return json.loads(text)
-    rows = []
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ForgeError(f"data error: {path} line {line_no}: not valid JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise ForgeError(f"data error: {path} line {line_no}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
+    data = path.read_bytes()
+    if path.suffix == ".json" and data.lstrip().startswith(b"["):
+        rows = [_require_object(row, f"{path} row {i}") for i, row in enumerate(_parse(path, data, 1), start=1)]
+    else:
+        rows = []
+        for line_no, line in enumerate(data.splitlines(), start=1):
+            if line.strip():
+                rows.append(_require_object(_parse(path, line, line_no), f"{path} line {line_no}"))
     if not rows:
         raise ForgeError(f"data error: {path}: no rows")
     return rows
 
 
+def _parse(path: Path, data: bytes, first_line: int):
+    """JSON text that starts on line `first_line` of `path`; the error names the line where it goes wrong."""
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as err:
+        line_no = first_line + data.count(b"\n", 0, err.start)
+        raise ForgeError(f"data error: {path} line {line_no}: not valid UTF-8") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ForgeError(f"data error: {path} line {first_line + err.lineno - 1}: not valid JSON ({err.msg})") from None
+
+
+def _require_object(row, where: str) -> dict:
+    if not isinstance(row, dict):
+        raise ForgeError(f"data error: {where}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
 def require_fields(rows: list[dict], fields: list[str], source: str) -> None:
-    """Every row must carry every field; the error names the first bad row (1-based, = JSONL line)."""
+    """Every row must carry every field, not null; the error names the first bad row (1-based, = JSONL line)."""
     for i, row in enumerate(rows, start=1):
         for name in fields:
-            if row.get(name) is None:
+            if name not in row:
                 raise ForgeError(f"data error: {source} row {i}: no '{name}' field (has: {', '.join(row)})")
+            if row[name] is None:
+                raise ForgeError(f"data error: {source} row {i}: '{name}' is null")
+
+
+_MESSAGE = '{"role": string, "content": string}'
+
+
+def require_text(rows: list[dict], field: str, source: str, messages: bool = False) -> None:
+    """Every row's `field` is a string, or with `messages` also a list of {"role", "content"} messages (what
+    `chat_prompt_ids` takes); the error names the first row that holds anything else (a number, an object...)."""
+    expected = f"a string or a list of {_MESSAGE} messages" if messages else "a string"
+    for i, row in enumerate(rows, start=1):
+        value = row[field]
+        if isinstance(value, str):
+            continue
+        if not (messages and isinstance(value, list) and value):
+            raise ForgeError(f"data error: {source} row {i}: '{field}' is {_shown(value)} ({_kind(value)}): "
+                             f"expected {expected}")
+        for k, message in enumerate(value, start=1):
+            if not (isinstance(message, dict) and set(message) >= {"role", "content"}
+                    and all(isinstance(message[key], str) for key in ("role", "content"))):
+                raise ForgeError(f"data error: {source} row {i}: '{field}' message {k} is {_shown(message)}: "
+                                 f"expected {_MESSAGE}")
+
+
+def _shown(value) -> str:
+    text = json.dumps(value, default=str, ensure_ascii=False)     # Parquet rows may hold numpy values, dates
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _kind(value) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list):
+        return "a list" if value else "an empty list"
+    return "an object" if isinstance(value, dict) else f"a {type(value).__name__}"
 
 
 def chat_prompt_ids(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
@@ -89,9 +145,42 @@ def chat_prompt_ids(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def encode_sft(tokenizer, prompt: str, response: str, max_length: int) -> tuple[list[int], list[int], bool]:
-    """(input_ids, labels, truncated): labels are IGNORE on the prompt, the response + EOS are trained."""
-    prompt_ids = chat_prompt_ids(tokenizer, prompt)
+def context_length(model: ModelConfig, max_model_len: int | None) -> int:
+    """The tokens a sequence may hold in a vLLM engine of this model: `engine.max_model_len`, or else the model's
+    max_position_embeddings (vLLM's default)."""
+    if max_model_len is not None:
+        return max_model_len
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code).max_position_embeddings
+
+
+def drop_long_prompts(rows: list[dict], prompt_ids: list[list[int]], limit: int, source: str, why: str,
+                      warn: Callable[[str], None]) -> tuple[list[dict], list[list[int]]]:
+    """The rows (and their prompts' token ids) whose prompt has at most `limit` tokens, in order; `warn` gets a
+    line that counts the others and names the first, if any; when none is kept, a data error. `why` says what
+    sets the limit."""
+    kept = [i for i, ids in enumerate(prompt_ids) if len(ids) <= limit]
+    if not kept:
+        raise ForgeError(f"data error: {source}: every prompt is longer than {limit} tokens ({why}); the shortest "
+                         f"has {min(map(len, prompt_ids))}")
+    if len(kept) == len(rows):
+        return rows, prompt_ids
+    first = next(i for i, ids in enumerate(prompt_ids) if len(ids) > limit)
+    warn(f"data warning: {source}: skipped {len(rows) - len(kept)} of {len(rows)} rows whose prompt is longer than "
+         f"{limit} tokens ({why}); the first is row {first + 1} ({len(prompt_ids[first])} tokens)")
+    return [rows[i] for i in kept], [prompt_ids[i] for i in kept]
+
+
+def fitting_prompts(rows: list[dict], tokenizer, field: str, limit: int, source: str, why: str,
+                    warn: Callable[[str], None]) -> tuple[list[dict], list[list[int]]]:
+    """`drop_long_prompts` of the rows' `field` prompts, as `chat_prompt_ids` formats them."""
+    return drop_long_prompts(rows, [chat_prompt_ids(tokenizer, r[field]) for r in rows], limit, source, why, warn)
+
+
+def encode_sft(tokenizer, prompt_ids: list[int], response: str, max_length: int
+               ) -> tuple[list[int], list[int], bool]:
+    """(input_ids, labels, truncated) of a prompt (`chat_prompt_ids`) and its response: labels are IGNORE on the
+    prompt, the response + EOS are trained."""
     response_ids = tokenizer(response, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     ids = (prompt_ids + response_ids)[:max_length]
     labels = ([IGNORE] * len(prompt_ids) + response_ids)[:max_length]

@@ -9,7 +9,8 @@ import pytest
 
 import rewards
 from forge_core.config import ForgeError
-from forge_core.data import IGNORE, collate_sft, encode_sft, micro_batches, read_rows, sample_indices
+from forge_core.data import (IGNORE, chat_prompt_ids, collate_sft, encode_sft, micro_batches, read_rows,
+                             sample_indices)
 
 GSM8K_ROWS = [
     {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -71,13 +72,14 @@ def test_bad_json_line_is_named(tmp_path):
 def test_response_only_labels_and_packing(tiny):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny / "init")
-    ids, labels, truncated = encode_sft(tok, "12+34=", "46", max_length=64)
+    ids, labels, truncated = encode_sft(tok, chat_prompt_ids(tok, "12+34="), "46", max_length=64)
     assert not truncated
     trained = [t for t in labels if t != IGNORE]
     assert tok.decode(trained) == "46<|im_end|>"
     assert ids[-len(trained):] == trained
     assert tok.decode(ids[:-len(trained)]) == "<|im_start|>user\n12+34=<|im_end|>\n<|im_start|>assistant\n"
-    examples = [encode_sft(tok, p, r, 64)[:2] for p, r in [("1+1=", "2"), ("10+10=", "20"), ("5+5=", "10")]]
+    examples = [encode_sft(tok, chat_prompt_ids(tok, p), r, 64)[:2]
+                for p, r in [("1+1=", "2"), ("10+10=", "20"), ("5+5=", "10")]]
     packed = collate_sft(examples, tok.pad_token_id, pack=True, max_length=64)
     assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
     assert (packed["position_ids"][0] == 0).sum() == 3    # every example restarts its positions
