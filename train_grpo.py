@@ -123,14 +123,30 @@ class GRPOConfig:
 
 # ---- the algorithm: small pure tensor functions ----
 
-def group_advantages(rewards: Tensor, G: int, scale_rewards: str) -> Tensor:
-    """(r - group mean) / (std + 1e-4); std per group, over the batch, or not at all (Dr. GRPO)."""
+def group_advantages(rewards: Tensor, G: int, scale_rewards: str, batch_std: float | None = None) -> Tensor:
+    """(r - group mean) / (std + 1e-4); std per group, over the batch (`batch_std`: the whole step's, over all
+    policy ranks; None: these rewards'), or not at all (Dr. GRPO)."""
     r = rewards.view(-1, G)                                     # [B, G]
     adv = r - r.mean(1, keepdim=True)
     if scale_rewards != "none":
-        std = r.std(1, keepdim=True) if scale_rewards == "group" else r.std()
+        std = r.std(1, keepdim=True) if scale_rewards == "group" else r.std() if batch_std is None else batch_std
         adv = adv / (std + 1e-4)
     return adv.view(-1)
+
+
+def global_std(values: Tensor, group) -> float:
+    """The unbiased std of `values` on all ranks of `group` together."""
+    s = reduce_metrics({"n": len(values), "sum": values.sum().item(), "squares": (values ** 2).sum().item()}, group)
+    return math.sqrt(max(s["squares"] - s["sum"] ** 2 / s["n"], 0.0) / max(s["n"] - 1, 1))
+
+
+def attach_advantages(rollout: Rollout, cfg: LossConfig, G: int, group) -> None:
+    """The rollout's group advantages (with `scale_rewards: batch`, the std of every policy rank's rewards) and,
+    with dynamic sampling, which sequences the loss keeps."""
+    batch_std = global_std(rollout.rewards, group) if cfg.scale_rewards == "batch" else None
+    rollout.advantages = group_advantages(rollout.rewards, G, cfg.scale_rewards, batch_std)
+    if cfg.drop_zero_variance_groups:
+        rollout.kept = ~zero_variance_groups(rollout.rewards, G)
 
 
 def zero_variance_groups(rewards: Tensor, G: int) -> Tensor:
@@ -151,30 +167,54 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
             return torch.exp(log_ratio) - log_ratio - 1
 
 
-def grpo_loss(logp: Tensor, mb: Rollout, cfg: LossConfig, max_tokens: int, num_micro: int,
-              global_tokens: float, world: int) -> tuple[Tensor, dict[str, float]]:
-    """Clipped surrogate (+ beta * KL), aggregated as `loss_type`; scaled so that summing over this rank's
-    `num_micro` micro-batches and FSDP's average over `world` ranks gives the batch loss."""
-    mask = mb.loss_mask().float()                               # [n, C]
-    old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
+@dataclass
+class LossScale:
+    """The counts of one optimizer step's batch that `loss_type` divides by (`loss_scale`)."""
+    tokens: float               # loss tokens, on all policy ranks
+    rank_tokens: float          # loss tokens on this rank
+    sequences: float            # sequences with loss tokens (not dropped), on all policy ranks
+    all_sequences: float        # every sequence, on all policy ranks
+    max_tokens: int             # dr_grpo's constant: the longest a completion (an episode) can be
+    world: int                  # policy ranks, whose gradients FSDP averages
+
+
+def loss_scale(mb: Rollout, max_tokens: int, group, world: int) -> LossScale:
+    mask = mb.loss_mask()
+    s = reduce_metrics({"tokens": mask.sum().item(), "sequences": (mask.sum(1) > 0).sum().item(),
+                        "all_sequences": len(mb)}, group)
+    return LossScale(s["tokens"], mask.sum().item(), s["sequences"], s["all_sequences"], max_tokens, world)
+
+
+def grpo_loss(logp: Tensor, mb: Rollout, cfg: LossConfig, scale: LossScale) -> tuple[Tensor, dict[str, float]]:
+    """Clipped surrogate (+ beta * KL), aggregated as `loss_type` over the optimizer step's whole batch (`scale`):
+    summed over this rank's micro-batches (`mb` is one), whatever their sizes, and averaged over ranks by FSDP,
+    it is the batch loss. Only the loss tokens (`loss_mask`) enter it: any value elsewhere (an observation's, a
+    pad's, non-finite) is replaced before it is used."""
+    mask = mb.loss_mask().bool()                                # [n, C]
+
+    def at_loss_tokens(x: Tensor) -> Tensor:
+        return torch.where(mask, x, 0.0)
+    logp = at_loss_tokens(logp)
+    old = logp.detach() if mb.old_logprobs is None else at_loss_tokens(mb.old_logprobs)
     ratio = torch.exp(logp - old)
     adv = mb.advantages.unsqueeze(1)                            # [n, 1]
     eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
     clipped_ratio = torch.clamp(ratio, 1 - cfg.epsilon, 1 + eps_high)
     per_token = -torch.min(ratio * adv, clipped_ratio * adv)
     if cfg.importance_sampling_cap > 0:       # vLLM sampled these tokens; correct for its (small) mismatch
-        per_token = per_token * torch.exp(old - mb.sampler_logprobs).clamp(max=cfg.importance_sampling_cap)
-    kl = kl_penalty(logp, mb.ref_logprobs, cfg.kl_estimator) if cfg.beta > 0 else torch.zeros_like(logp)
-    per_token = per_token + cfg.beta * kl
+        per_token = per_token * torch.exp(old - at_loss_tokens(mb.sampler_logprobs)).clamp(
+            max=cfg.importance_sampling_cap)
+    kl = kl_penalty(logp, at_loss_tokens(mb.ref_logprobs), cfg.kl_estimator) if cfg.beta > 0 else torch.zeros_like(logp)
+    per_token = at_loss_tokens(per_token + cfg.beta * kl)
     match cfg.loss_type:
-        case "grpo":      # mean over each sequence's tokens, then over sequences
-            loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean() / num_micro
-        case "bnpo":      # mean over the micro-batch's tokens
-            loss = (per_token * mask).sum() / mask.sum().clamp(min=1) / num_micro
-        case "dr_grpo":   # constant normaliser: sequences x max completion length
-            loss = (per_token * mask).sum() / (mask.shape[0] * max_tokens) / num_micro
-        case "dapo":      # mean over every token of the optimizer step, on all ranks
-            loss = (per_token * mask).sum() / global_tokens * world
+        case "grpo":      # mean over each sequence's tokens, then over the batch's (kept) sequences
+            loss = (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / max(scale.sequences, 1.0) * scale.world
+        case "bnpo":      # mean over this rank's tokens of the batch, then over ranks (TRL's local batch)
+            loss = per_token.sum() / max(scale.rank_tokens, 1.0)
+        case "dr_grpo":   # constant normaliser: the batch's sequences x the longest a completion can be
+            loss = per_token.sum() / (scale.all_sequences * scale.max_tokens) * scale.world
+        case "dapo":      # mean over every token of the batch, on all ranks
+            loss = per_token.sum() / max(scale.tokens, 1.0) * scale.world
     is_clipped = ((ratio < 1 - cfg.epsilon) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))
     stats = {"clipped": (is_clipped * mask).sum().item(), "kl": (kl.detach() * mask).sum().item()}
     return loss, stats
@@ -329,6 +369,7 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
     world = len(roles.policy_ranks)
     mini = len(rollout) // cfg.train.mini_batches
     micro = cfg.train.micro_batch_size
+    longest = cfg.env.max_episode_tokens if cfg.env.name else cfg.sampling.max_tokens     # a completion, at most
     first = None
     if cfg.loss.num_iterations > 1 or cfg.train.mini_batches > 1:   # later passes need the pre-update logprobs
         with torch.no_grad():
@@ -341,14 +382,13 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
     for _ in range(cfg.loss.num_iterations):
         for m in range(cfg.train.mini_batches):
             mb = rollout.select(slice(m * mini, (m + 1) * mini))
-            global_tokens = reduce_metrics({"t": mb.loss_mask().sum().item()}, group)["t"]
+            scale = loss_scale(mb, longest, group, world)
             parts = [mb.select(slice(i, i + micro)) for i in range(0, mini, micro)]
             for k, part in enumerate(parts):
                 set_gradient_sync(policy, k == len(parts) - 1)
                 logp, entropy = first or token_logprobs(policy, part, cfg.sampling.temperature, with_entropy=True)
                 first = None
-                loss, stats = grpo_loss(logp, part, cfg.loss, cfg.sampling.max_tokens, len(parts),
-                                        max(global_tokens, 1.0), world)
+                loss, stats = grpo_loss(logp, part, cfg.loss, scale)
                 loss.backward()
                 mask = part.loss_mask().float()
                 old = part.old_logprobs if part.old_logprobs is not None else logp.detach()
@@ -524,9 +564,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         """Exchange 2: the rollout's rewards (and reference logprobs) come in; then its group advantages."""
         t = time.perf_counter()
         receive_scores(rollout, roles, cfg, local_rewards)
-        rollout.advantages = group_advantages(rollout.rewards, G, cfg.loss.scale_rewards)
-        if cfg.loss.drop_zero_variance_groups:
-            rollout.kept = ~zero_variance_groups(rollout.rewards, G)
+        attach_advantages(rollout, cfg.loss, G, roles.groups["policy"])
         rollout.seconds["score"] += time.perf_counter() - t
 
     rollouts = sent_rollouts(sample, len(rows), steps, cfg, roles, in_flight)

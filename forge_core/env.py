@@ -139,10 +139,9 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
         running = [e for e in episodes if e.end_reason is None]
         if not running:
             break
+        room = [min(sampling.max_tokens, cfg.max_episode_tokens - len(e.ids), limit - len(e.context())) for e in running]
         params = [sampling_params(sampling, greedy, n=1, stop=stops, include_stop_str_in_output=True,
-                                  stop_token_ids=list(end.ids), max_tokens=min(
-                                      sampling.max_tokens, cfg.max_episode_tokens - len(e.ids), limit - len(e.context())))
-                  for e in running]
+                                  stop_token_ids=list(end.ids), max_tokens=tokens) for tokens in room]
         with seeded_draws(seed + turn):
             outputs = engine.generate([{"prompt_token_ids": e.context()} for e in running], params, use_tqdm=False)
         actions = [_take_turn(e, out.outputs[0], stops) for e, out in zip(running, outputs)]

@@ -17,7 +17,7 @@ from forge_core.engine import SamplingConfig
 from forge_core.env import EnvConfig, _observation_ids, load_env, run_episodes
 from forge_core.model import turn_end
 from forge_core.rollout import Rollout
-from train_grpo import ENVIRONMENTS_PY, LossConfig, grpo_loss
+from train_grpo import ENVIRONMENTS_PY, LossConfig, grpo_loss, loss_scale
 
 
 def _episode_rollout(logp_env: float, sampler_env: float, ref_env: float) -> tuple[Rollout, torch.Tensor]:
@@ -39,8 +39,7 @@ def test_observation_tokens_carry_no_loss_kl_or_importance_weight(loss_type):
     losses, grads = [], []
     for env_values in [(-1.0, -2.0, -3.0), (-7.0, -0.1, -20.0)]:   # observation logprobs of any value
         rollout, logp = _episode_rollout(*env_values)
-        model_tokens = rollout.loss_mask().sum().item()
-        loss, _ = grpo_loss(logp, rollout, cfg, max_tokens=4, num_micro=1, global_tokens=model_tokens, world=1)
+        loss, _ = grpo_loss(logp, rollout, cfg, loss_scale(rollout, 4, None, 1))
         loss.backward()
         losses.append(loss.item())
         grads.append(logp.grad)

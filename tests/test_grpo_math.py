@@ -1,5 +1,6 @@
 """The GRPO loss pieces against values computed by hand."""
 
+import json
 import math
 
 import pytest
@@ -8,7 +9,8 @@ from torch import Tensor
 
 import forge_core.logprobs
 from forge_core.rollout import Rollout, balanced_share, pad_left, pad_right, shared_prompt_rows
-from train_grpo import LossConfig, group_advantages, grpo_loss, kl_penalty, token_logprobs, zero_variance_groups
+from train_grpo import (LossConfig, LossScale, group_advantages, grpo_loss, kl_penalty, loss_scale, token_logprobs,
+                        zero_variance_groups)
 
 
 def test_group_advantages_by_hand():
@@ -51,11 +53,11 @@ def test_clipped_surrogate_and_aggregations_by_hand():
                "dapo": sum(t) / 3}
     for loss_type, expected in by_type.items():
         cfg.loss_type = loss_type
-        loss, stats = grpo_loss(logp, mb, cfg, max_tokens=2, num_micro=1, global_tokens=3, world=1)
+        loss, stats = grpo_loss(logp, mb, cfg, loss_scale(mb, 2, None, 1))
         assert loss.item() == pytest.approx(expected, abs=1e-6), loss_type
         assert stats["clipped"] == 2          # seq0 token0 (ratio above 1.2, A>0) and seq1 (below 0.8, A<0)
     cfg.epsilon_high = 0.28                   # clip-higher: e^0.5 = 1.65 still above 1.28
-    loss, _ = grpo_loss(logp, mb, cfg, max_tokens=2, num_micro=1, global_tokens=3, world=1)
+    loss, _ = grpo_loss(logp, mb, cfg, loss_scale(mb, 2, None, 1))
     assert loss.item() == pytest.approx((-1.28 - 1.0 + 0.8) / 3, abs=1e-6)
 
 
@@ -64,22 +66,23 @@ def test_importance_weight_is_truncated_and_kl_is_added():
     sampler = torch.tensor([[-2.0]])          # exp(0 - (-2)) = 7.39, truncated to the cap 3
     mb = _rollout(torch.tensor([1.0]), None, sampler, torch.ones(1, 1, dtype=torch.long), ref=torch.tensor([[-0.5]]))
     cfg = LossConfig(importance_sampling_cap=3.0, beta=0.1, kl_estimator="k1", loss_type="bnpo")
-    loss, stats = grpo_loss(logp, mb, cfg, max_tokens=1, num_micro=1, global_tokens=1, world=1)
+    loss, stats = grpo_loss(logp, mb, cfg, loss_scale(mb, 1, None, 1))
     assert loss.item() == pytest.approx(-1.0 * 3.0 + 0.1 * 0.5, abs=1e-6)
     assert stats["kl"] == pytest.approx(0.5)
 
 
 def test_micro_batch_and_rank_scaling():
-    """dapo divides by the global token count and undoes FSDP's average over ranks; the others average."""
+    """Each loss type divides by its count over the whole optimizer step (micro-batches of any size, all ranks)
+    and undoes FSDP's average over ranks, except bnpo, a mean over each rank's own tokens."""
     logp = torch.tensor([[0.1, 0.1]])
     mb = _rollout(torch.tensor([1.0]), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.long))
-    cfg = LossConfig(importance_sampling_cap=0, loss_type="dapo")
-    one, _ = grpo_loss(logp, mb, cfg, 2, num_micro=1, global_tokens=2, world=1)
-    spread, _ = grpo_loss(logp, mb, cfg, 2, num_micro=2, global_tokens=8, world=4)
-    assert spread.item() == pytest.approx(one.item() * 2 / 8 * 4)
-    cfg.loss_type = "bnpo"
-    spread, _ = grpo_loss(logp, mb, cfg, 2, num_micro=2, global_tokens=8, world=4)
-    assert spread.item() == pytest.approx(one.item() / 2)
+    cfg = LossConfig(importance_sampling_cap=0)
+    spread = LossScale(tokens=8, rank_tokens=4, sequences=3, all_sequences=5, max_tokens=6, world=4)
+    total = -2 * math.exp(0.1)                   # two tokens, ratio e^0.1 (not clipped), advantage 1
+    for loss_type, expected in {"dapo": total / 8 * 4, "bnpo": total / 4, "grpo": total / 2 / 3 * 4,
+                                "dr_grpo": total / (5 * 6) * 4}.items():
+        cfg.loss_type = loss_type
+        assert grpo_loss(logp, mb, cfg, spread)[0].item() == pytest.approx(expected), loss_type
 
 
 PROMPTS = [[5, 6, 7, 8], [9, 10]]
@@ -183,10 +186,8 @@ def test_a_dropped_group_leaves_the_loss_not_the_layout():
     part.old_logprobs = logp.detach() + torch.tensor([0.1] * 3 + [2.0] * 3).unsqueeze(1)
     part.ref_logprobs = logp.detach() + torch.tensor([0.2] * 3 + [-3.0] * 3).unsqueeze(1)
     cfg = LossConfig(beta=0.04)
-    tokens = float(part.loss_mask().sum())
-    loss, _ = grpo_loss(logp, part, cfg, max_tokens=5, num_micro=1, global_tokens=tokens, world=1)
-    kept_only, _ = grpo_loss(logp[:3], part.select(slice(0, 3)), cfg, max_tokens=5, num_micro=1,
-                             global_tokens=tokens, world=1)
+    loss, _ = grpo_loss(logp, part, cfg, loss_scale(part, 5, None, 1))
+    kept_only, _ = grpo_loss(logp[:3], part.select(slice(0, 3)), cfg, loss_scale(part, 5, None, 1))
     torch.testing.assert_close(loss, kept_only)
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
@@ -241,3 +242,36 @@ def test_balanced_share_deals_whole_groups_of_like_width_and_keeps_every_logprob
         for key, (logp, sampled) in after.items():
             torch.testing.assert_close(logp, before[key][0], atol=1e-5, rtol=0)
             assert torch.equal(sampled, before[key][1])
+
+
+def test_every_loss_type_and_reward_scaling_is_its_definition_in_a_two_rank_step():
+    """train_on_rollout on 2 FSDP ranks, micro-batches of unequal size, a dropped group and NaN where no token is
+    (tests/loss_check.py) makes the update of the loss as defined over the whole batch, computed in one process:
+    grpo averaged dropped sequences in, micro-batches weighed alike whatever their size, `scale_rewards: batch`
+    took each rank's std, and a NaN times a zero mask made the loss NaN."""
+    from conftest import run_script
+    proc = run_script("tests/loss_check.py", [], nproc=2)
+    differences = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(differences) == 7 and all(d < 1e-5 for d in differences.values()), differences
+
+
+def test_a_masked_non_finite_value_does_not_reach_the_loss_or_its_gradient():
+    """Observation and pad positions hold whatever they hold (NaN, inf): the loss and its gradient are those of
+    the same batch with zeros there."""
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    clean_logp = torch.tensor([[-0.5, -1.0, 0.0], [-0.2, 0.0, 0.0]])
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        cfg = LossConfig(loss_type=loss_type, beta=0.1)
+        results = []
+        for fill in (0.0, float("nan"), float("inf")):
+            hole = mask == 0
+            logp = clean_logp.masked_fill(hole, fill).requires_grad_()
+            mb = _rollout(torch.tensor([1.0, -0.5]), clean_logp.masked_fill(hole, fill),
+                          torch.full((2, 3), -0.7).masked_fill(hole, fill), mask,
+                          ref=torch.full((2, 3), -0.6).masked_fill(hole, -fill))
+            loss, _ = grpo_loss(logp, mb, cfg, loss_scale(mb, 3, None, 1))
+            loss.backward()
+            results.append((loss.item(), logp.grad))
+        assert all(math.isfinite(loss) and torch.isfinite(grad).all() for loss, grad in results), loss_type
+        assert results[1][0] == results[0][0] == results[2][0]
+        torch.testing.assert_close(results[1][1], results[0][1])
