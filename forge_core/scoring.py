@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from multiprocessing import connection
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Callable, Literal
+from typing import Callable, Literal, NoReturn
 
 from .config import ForgeError, import_symbol
 from .sandbox import SandboxError, exit_status
@@ -107,14 +107,16 @@ class FunctionPool:
             outcomes = pool.map([(0, (completion, row)), ...], deadline_s=60)     # [Outcome], in order
 
     A call that raises, or returns something that is not a finite number (NaN, inf, a string, None), is an
-    "error". One that runs past `timeout_s` is a "timeout": its worker is killed, with every process in its
-    process group, and replaced, as is a worker that dies in a call (os._exit, a segfault, memory beyond
-    `memory_mb` where the MemoryError cannot be caught); the rest of its chunk goes to the fresh one. What is
-    not done `deadline_s` after `map` began is a timeout too. The first time every call of a function in a map
-    fails, its first failure is printed on stderr.
-    Workers are spawned (a fresh interpreter: nothing the rank holds is shared), lead a process group of their
-    own, and get SIGKILL when the thread that started them ends (PR_SET_PDEATHSIG): start and call the pool
-    from the rank's main thread. A process a function starts in a session of its own outlives its worker.
+    "error". One that runs past `timeout_s` is a "timeout": its worker is killed, with every process it started,
+    and replaced, as is a worker that dies in a call (os._exit, a segfault, memory beyond `memory_mb` where the
+    MemoryError cannot be caught); the rest of its chunk goes to the fresh one. What is not done `deadline_s`
+    after `map` began is a timeout too. The first time every call of a function in a map fails, its first
+    failure is printed on stderr.
+    Workers are spawned (a fresh interpreter: nothing the rank holds is shared), and end with the thread that
+    started them (PR_SET_PDEATHSIG): start and call the pool from the rank's main thread. Each is a supervisor
+    and the process it forks to call the functions, both child subreapers, so that every process a call starts
+    stays below them, daemons that left its session included: after each call, what it started is killed, and a
+    worker that dies, is killed or loses its rank takes what it started with it.
     """
 
     def __init__(self, specs: list[str], default_file: str, key: str, workers: int = 2, timeout_s: float = 5.0,
@@ -276,9 +278,17 @@ class _Batch:
         worker.started = now
 
 
+# ---- a worker: a supervisor, and the process it forks to call the functions ----
+
+_PR_SET_CHILD_SUBREAPER = 36            # prctl(2): orphans below this process come to it, not to init
+
+
 def _kill(worker: _Worker) -> None:
-    with suppress(ProcessLookupError):          # no group yet: it has not reached setsid()
-        os.killpg(worker.process.pid, signal.SIGKILL)
+    """Kill the worker with everything it started, and reap it. Stopped first, it neither reaps nor starts
+    anything while its descendants (all that it started: it is a subreaper) are killed."""
+    with suppress(ProcessLookupError):
+        os.kill(worker.process.pid, signal.SIGSTOP)
+    _kill_descendants(worker.process.pid)
     worker.process.kill()
     worker.process.join()
     worker.conn.close()
@@ -286,23 +296,95 @@ def _kill(worker: _Worker) -> None:
 
 def _serve_calls(conn: Connection, specs: list[str], default_file: str, key: str, memory_mb: int,
                  parent_pid: int) -> None:
-    """A worker: its own process group, killed with its parent, limited; import the functions, then call them
-    as chunks come, one answer at a time, until the parent closes the pipe."""
+    """A worker's supervisor: a process group of its own (a Ctrl-C at the terminal reaches the rank, not the
+    calls), ended with its parent; it forks the caller, and when that ends, kills what it left and ends as it
+    did."""
     os.setsid()
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.signal(signal.SIGTERM, lambda *_: _end_as(1))
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)     # handled: what the calls started dies too
     if os.getppid() != parent_pid:              # the parent died before prctl
         os._exit(1)
-    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    supervisor = os.getpid()
+    if caller := os.fork():
+        conn.close()
+        _end_as(os.waitstatus_to_exitcode(os.waitpid(caller, 0)[1]))
+    _call_functions(conn, specs, default_file, key, memory_mb, supervisor)
+
+
+def _call_functions(conn: Connection, specs: list[str], default_file: str, key: str, memory_mb: int,
+                    supervisor: int) -> NoReturn:
+    """A worker's caller: killed with its supervisor, limited; import the functions, then call them as chunks
+    come, one answer at a time, until the parent closes the pipe. After each call, every process the call
+    started is killed (a subreaper, the caller holds them all) before the answer goes."""
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != supervisor:
+        os._exit(1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     functions = [import_symbol(spec, default_file, key) for spec in specs]
     conn.send(None)
     while True:
         try:
             chunk = conn.recv()
         except EOFError:
-            return
+            os._exit(0)
         for f, args in chunk:
-            conn.send(_call(functions[f], args))
+            outcome = _call(functions[f], args)
+            _kill_descendants(os.getpid())
+            _reap_children()
+            conn.send(outcome)
+
+
+def _end_as(exit_code: int) -> NoReturn:
+    """Kill every process below this one, then end with `exit_code` (-N: by signal N), the caller's."""
+    _kill_descendants(os.getpid())
+    if exit_code < 0:
+        signal.signal(-exit_code, signal.SIG_DFL)
+        os.kill(os.getpid(), -exit_code)
+    os._exit(exit_code if exit_code >= 0 else 1)        # a signal whose default is to be ignored
+
+
+def _kill_descendants(pid: int) -> None:
+    """SIGKILL every living descendant of `pid` until none is left: what one forks meanwhile, the next round
+    finds."""
+    while living := [p for p in _descendants(pid) if _alive(p)]:
+        for descendant in living:
+            with suppress(ProcessLookupError):
+                os.kill(descendant, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    found, parents = [], [pid]
+    while parents:
+        children = _children(parents.pop())
+        found += children
+        parents += children
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    """The processes that `pid`'s threads started, zombies included; none once it is gone."""
+    children = []
+    with suppress(FileNotFoundError, ProcessLookupError):
+        for thread in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{thread}/children") as f:
+                children += [int(child) for child in f.read().split()]
+    return children
+
+
+def _alive(pid: int) -> bool:
+    with suppress(FileNotFoundError, ProcessLookupError), open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")       # not a zombie, nor dead
+    return False
+
+
+def _reap_children() -> None:
+    with suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
 
 
 def _call(fn: Callable, args: tuple) -> float | Outcome:

@@ -1,13 +1,17 @@
 """Reward functions run in FunctionPool's worker processes (forge_core/scoring.py): a function that hangs, dies,
-eats memory or returns no number costs its own calls, scored 0 and counted, never the run. Real processes;
-the functions are loaded by file path, as a user's are, from tests/rewards_for_tests.py. Last, the real GRPO job
-with four hostile functions beside the real one."""
+eats memory or returns no number costs its own calls, scored 0 and counted, never the run, and what a call starts
+ends with it. Real processes; the functions are loaded by file path, as a user's are, from
+tests/rewards_for_tests.py (and strays.py, written by the tests). Last, the real GRPO job with four hostile
+functions beside the real one."""
 
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
+from pathlib import Path
 
 import pytest
 
@@ -122,9 +126,7 @@ def test_workers_end_with_the_pool_and_with_a_killed_parent():
     code = f"""
 import os, signal
 from forge_core.scoring import FunctionPool
-
-REWARDS_PY = str(REPO / "rewards.py")
-pool = FunctionPool([{spec('sleeps_forever')!r}], REWARDS_PY, "rewards.functions", workers=2)
+pool = FunctionPool([{spec('sleeps_forever')!r}], {REWARDS_PY!r}, "rewards.functions", workers=2)
 print(*(w.process.pid for w in pool._workers), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -137,10 +139,99 @@ os.kill(os.getpid(), signal.SIGKILL)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in orphans)
 
 
+STRAYS_PY = """
+import os, subprocess, time
+
+
+def start_strays(tag):
+    \"\"\"A child in a session of its own and a daemon (a double fork and setsid), each named forge-stray-TAG.\"\"\"
+    subprocess.Popen(["forge-stray-" + tag, "1000"], executable="/bin/sleep", start_new_session=True)
+    middle = os.fork()
+    if middle == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.execv("/bin/sleep", ["forge-stray-" + tag, "1000"])
+        os._exit(0)
+    os.waitpid(middle, 0)
+
+
+def leaves_strays(completion, row):
+    start_strays("returned")
+    return 1.0
+
+
+def leaves_strays_and_hangs(completion, row):
+    start_strays("hung")
+    time.sleep(10**6)
+
+
+def leaves_strays_and_exits(completion, row):
+    start_strays("exited")
+    os._exit(3)
+"""
+STRAYS = ["leaves_strays", "leaves_strays_and_hangs", "leaves_strays_and_exits"]
+
+
+def running_strays() -> dict[int, str]:
+    """pid: command line of each process that strays.py started and that still runs (a zombie has none)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with suppress(FileNotFoundError, ProcessLookupError):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if command.startswith(b"forge-stray-"):
+                found[int(pid)] = command.decode().replace("\0", " ").strip()
+    return found
+
+
+@pytest.fixture
+def strays_py(tmp_path):
+    (tmp_path / "strays.py").write_text(STRAYS_PY)
+    yield tmp_path / "strays.py"
+    for pid in running_strays():                    # none, unless the test failed
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_what_a_call_starts_ends_with_it(strays_py):
+    """A function that starts a child in a session of its own and a double-forked daemon: once map returns, none
+    of them runs, whether the call returned, ran past timeout_s (its worker killed) or killed its worker, and
+    the pool scores the calls after them. A worker's process group was all that ended with it: two steps of a
+    job left 1,024 such processes."""
+    specs = [f"{strays_py}:{name}" for name in STRAYS] + [spec("value_of")]
+    with FunctionPool(specs, REWARDS_PY, "rewards.functions", workers=2, timeout_s=TIMEOUT_S) as own:
+        outcomes = own.map([(0, ("", {})), (0, ("", {})), (1, ("", {})), (2, ("", {})), (3, ("", {"i": 7}))],
+                           deadline_s=30)
+        assert [o.failure for o in outcomes] == [None, None, "timeout", "error", None], outcomes
+        assert running_strays() == {}
+        assert [o.value for o in own.map([(0, ("", {})), (3, ("", {"i": 8}))], deadline_s=30)] == [1.0, 8.0]
+        assert running_strays() == {}
+
+
+def test_what_a_call_started_ends_with_a_killed_rank(strays_py, tmp_path):
+    """A rank killed with SIGKILL in a call: its workers end (PR_SET_PDEATHSIG), and what the call started with
+    them."""
+    code = f"""
+import os, signal, threading
+from forge_core.scoring import FunctionPool
+pool = FunctionPool([{f"{strays_py}:leaves_strays_and_hangs"!r}], {REWARDS_PY!r},
+                    "rewards.functions", workers=1, timeout_s=60)
+threading.Timer(2, os.kill, (os.getpid(), signal.SIGKILL)).start()
+pool.map([(0, ("", {{}}))], deadline_s=60)
+"""
+    with open(tmp_path / "stderr", "w+") as stderr:        # not a pipe, which the strays would hold open
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, stderr=stderr, timeout=120)
+        assert proc.returncode == -signal.SIGKILL, stderr.seek(0) or stderr.read()
+    deadline = time.monotonic() + 10
+    while (left := running_strays()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == {}
+
+
 def test_hostile_rewards_cost_their_calls_not_the_grpo_run(tiny, tmp_path):
     """3 ranks, 2 steps, the real reward beside one that sleeps forever, one that calls os._exit, one that
-    returns NaN and one a string (the first also the held-out accuracy function): the run ends normally, every step counts their errors and timeouts, the
-    real reward is scored, and nothing non-finite reaches the metrics."""
+    returns NaN and one a string (the first also the held-out accuracy function): the run ends normally, every
+    step counts their errors and timeouts, the real reward is scored, and nothing non-finite reaches the
+    metrics."""
     hostile = ["sleeps_forever", "exits", "returns_nan", "returns_string"]
     functions = [f"tests/rewards_for_tests.py:{n}" for n in ["digit_fraction", *hostile]]
     proc = run_script("train_grpo.py", grpo_args(tiny, tmp_path, "--train.steps", "2", "--rewards.functions",
