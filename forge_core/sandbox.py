@@ -220,12 +220,13 @@ def _private_root(disk_mb: int, uid: int | None, python: str, program: str) -> l
 
 ENTER = """
 import ctypes, os, sys
-libc, program = ctypes.CDLL(None, use_errno=True), bytes.fromhex(sys.argv[1])
-class Filter(ctypes.Structure):     # struct sock_fprog
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, ctypes.c_ulong(2)
+class Program(ctypes.Structure):    # struct sock_fprog
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
-if libc.sethostname(b"sandbox", 7) or libc.prctl(22, ctypes.c_ulong(2), ctypes.byref(Filter(len(program) // 8,
-                                                                                         program))):
-    sys.exit("sandbox: " + os.strerror(ctypes.get_errno()))     # 22, 2: PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+libc, bpf = ctypes.CDLL(None, use_errno=True), bytes.fromhex(sys.argv[1])
+program = Program(len(bpf) // 8, bpf)
+if libc.sethostname(b"sandbox", 7) or libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(program)):
+    sys.exit("sandbox: " + os.strerror(ctypes.get_errno()))
 os.chdir("/tmp")
 os.execve(sys.argv[2], sys.argv[2:], {})
 """     # the call's last step as root of its namespaces, in its root: ENTER FILTER-IN-HEX COMMAND...
@@ -404,17 +405,18 @@ def _find_hierarchies() -> tuple[_Hierarchy, ...]:
     own = dict(line.rstrip("\n").split(":", 2)[1:] for line in open("/proc/self/cgroup"))   # controllers: path
     found, held = [], set()
     for root, point, fstype, _, options in _mountinfo():
-        names = next((n for n in own if n and set(n.split(",")) <= set(options)), None) if fstype == "cgroup" \
-            else "" if fstype == "cgroup2" else None
-        if names is None or not Path(own[names]).is_relative_to(root):
+        version = {"cgroup": 1, "cgroup2": 2}.get(fstype)
+        # v1: the hierarchy's line in /proc/self/cgroup names its controllers, as the mount's options do; v2's, none
+        names = next((n for n in own if n and set(n.split(",")) <= set(options)), None) if version == 1 else ""
+        path = own.get(names) if version else None
+        if path is None or not Path(path).is_relative_to(root):
             continue
-        directory = Path(point, Path(own[names]).relative_to(root))
-        offered = names.split(",") if fstype == "cgroup" else (directory / "cgroup.controllers").read_text().split()
-        controllers = tuple(c for c in CONTROLLERS if c in offered and c not in held)
-        if controllers:
-            if fstype == "cgroup2":
+        directory = Path(point, Path(path).relative_to(root))
+        offered = names.split(",") if version == 1 else (directory / "cgroup.controllers").read_text().split()
+        if controllers := tuple(c for c in CONTROLLERS if c in offered and c not in held):
+            if version == 2:
                 (directory / "cgroup.subtree_control").write_text(" ".join("+" + c for c in controllers))
-            found.append(_Hierarchy(directory, 1 if fstype == "cgroup" else 2, controllers))
+            found.append(_Hierarchy(directory, version, controllers))
             held.update(controllers)
     if missing := [c for c in CONTROLLERS if c not in held]:
         raise OSError(f"no cgroup hierarchy holds {', '.join(missing)}")
@@ -467,20 +469,14 @@ def _join(cgroups: list[Path]) -> list[str]:
 
 
 def _remove_cgroup(directory: Path) -> None:
-    """Kill what is left in a call's cgroup (v1 has no cgroup.kill: the same loop serves v2; a killed process forks
-    no more) and remove it, as soon as the kernel has let go of the last one (rmdir: EBUSY until then)."""
+    """Kill what is left in a call's cgroup until none is left (v1 has no cgroup.kill: the same loop serves v2; a
+    killed process forks no more, and leaves cgroup.procs as it exits), then remove it."""
     while pids := (directory / "cgroup.procs").read_text().split():
         for pid in pids:
             with suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
         time.sleep(0.001)
-    while True:
-        try:
-            return directory.rmdir()
-        except OSError as err:
-            if err.errno != errno.EBUSY:
-                raise
-        time.sleep(0.001)
+    directory.rmdir()
 
 
 # ---- the seccomp filter ----

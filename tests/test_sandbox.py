@@ -107,7 +107,9 @@ print(exits.count(0), exits.count(-9))
 
 
 def call_cgroups() -> list[Path]:
-    return [cgroup for hierarchy in _hierarchies() for cgroup in hierarchy.directory.glob("forge-sandbox-*")]
+    """This process's calls' cgroups (another test process may run calls of its own)."""
+    return [cgroup for hierarchy in _hierarchies()
+            for cgroup in hierarchy.directory.glob(f"forge-sandbox-{os.getpid()}-*")]
 
 
 def test_a_calls_processes_share_its_memory_16_calls_at_once():
@@ -255,19 +257,6 @@ print(socket.gethostname(), {line.split(":", 2)[2].strip() for line in open("/pr
     assert socket.gethostname() == host != "sandbox"
 
 
-def test_a_cgroup_left_by_a_killed_caller_is_removed_by_the_next():
-    """A caller killed in a call cannot remove its cgroups: the next process to make calls removes those of
-    processes that are gone."""
-    stale = [h.directory / "forge-sandbox-999999999-0" for h in _hierarchies()]
-    for cgroup in stale:
-        cgroup.mkdir()
-    caller = subprocess.run([sys.executable, "-c", "from forge_core.sandbox import SandboxConfig, run_python\n"
-                             "print(run_python('print(1)', SandboxConfig()).stdout, end='')"],
-                            cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert caller.stdout == "1\n", caller.stderr
-    assert not any(cgroup.exists() for cgroup in stale)
-
-
 def test_process_limit_applies_to_the_unprivileged_user():
     code = """
 import os, time
@@ -317,19 +306,27 @@ while not os.path.exists("started"):
 
 def test_a_call_dies_with_its_caller():
     """A rank killed with SIGKILL (kill -9, the OOM killer) takes its calls in flight with it: before, sleeping
-    code lived on as an orphan until it woke, holding its uid."""
+    code lived on as an orphan until it woke, holding its uid. Its calls' cgroups, which it could not remove,
+    the next process to make calls removes."""
     def sandboxed_after(seconds: float, running: bool) -> bool:
         deadline = time.monotonic() + seconds
         while bool(processes_of(SANDBOX_USERS)) != running and time.monotonic() < deadline:
             time.sleep(0.05)
         return bool(processes_of(SANDBOX_USERS))
 
+    hierarchies = _hierarchies()        # here first, the sweep of stale cgroups is done before the caller starts
     caller = subprocess.Popen([sys.executable, "-c", "from forge_core.sandbox import SandboxConfig, run_python\n"
                                "run_python('import time\\ntime.sleep(60)', SandboxConfig(timeout_s=60))"], cwd=REPO)
     assert sandboxed_after(30, running=True), "the call did not start"
     caller.kill()
     caller.wait()
     assert not sandboxed_after(5, running=False)
+    left = [cgroup for h in hierarchies for cgroup in h.directory.glob(f"forge-sandbox-{caller.pid}-*")]
+    assert len(left) == len(hierarchies)
+    after = subprocess.run([sys.executable, "-c", "from forge_core.sandbox import SandboxConfig, run_python\n"
+                            "print(run_python('print(1)', SandboxConfig()).stdout, end='')"],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert after.stdout == "1\n" and not any(cgroup.exists() for cgroup in left), after.stderr
 
 
 def test_writes_outside_the_working_directory_are_refused():
