@@ -35,7 +35,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-artifacts/tiny/init/config.json: tools/build_tiny.py forge_core/data.py | setup
+artifacts/tiny/init/config.json: tools/build_tiny.py forge_core/tasks.py | setup
 	$(BIN)/python tools/build_tiny.py --out artifacts/tiny
 
 # The default pipeline: build the tiny model and task, SFT it (2 ranks), GRPO it (3 ranks: policy |
@@ -43,21 +43,21 @@ artifacts/tiny/init/config.json: tools/build_tiny.py forge_core/data.py | setup
 run: setup artifacts/tiny/init/config.json
 	$(call sft_then_grpo,configs/sft/tiny.yaml $(SFT_SEED),configs/grpo/tiny.yaml $(GRPO_SEED))
 
-artifacts/tiny_calculator/init/config.json: tools/build_tiny.py forge_core/data.py | setup
+artifacts/tiny_calculator/init/config.json: tools/build_tiny.py forge_core/tasks.py | setup
 	$(BIN)/python tools/build_tiny.py --task calculator --out artifacts/tiny_calculator
 
 # Agentic GRPO: SFT on a few calculator-call traces (2 ranks), then GRPO with the Calculator environment (3 ranks)
 run-agent: setup artifacts/tiny_calculator/init/config.json
 	$(call sft_then_grpo,configs/sft/tiny_calculator.yaml,configs/grpo/tiny_calculator.yaml)
 
-artifacts/tiny_guess/init/config.json: tools/build_tiny.py forge_core/data.py | setup
+artifacts/tiny_guess/init/config.json: tools/build_tiny.py forge_core/tasks.py | setup
 	$(BIN)/python tools/build_tiny.py --task guess --out artifacts/tiny_guess
 
 # A feedback game over chat turns: SFT on a random but consistent guesser's games (2 ranks), then GRPO (3 ranks)
 run-guess: setup artifacts/tiny_guess/init/config.json
 	$(call sft_then_grpo,configs/sft/tiny_guess.yaml,configs/grpo/tiny_guess.yaml)
 
-artifacts/tiny_qwen3/init/config.json: tools/build_tiny.py forge_core/data.py | setup
+artifacts/tiny_qwen3/init/config.json: tools/build_tiny.py forge_core/tasks.py | setup
 	$(BIN)/python tools/build_tiny.py --arch qwen3 --out artifacts/tiny_qwen3
 
 # The default pipeline on a tiny Qwen3 (the architecture of the Qwen3 GPU configs) instead of the tiny Llama

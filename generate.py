@@ -26,7 +26,7 @@ from forge_core.data import (chat_prompt_ids, context_length, drop_long_prompts,
                              require_text)
 from forge_core.dist import Dist, close_dist, exchange, init_dist, run_main
 from forge_core.engine import EngineConfig, SamplingConfig, build_engine, check_tensor_parallel
-from forge_core.model import ModelConfig, load_tokenizer
+from forge_core.model import ModelConfig, load_tokenizer, turn_end
 
 
 @dataclass
@@ -46,16 +46,17 @@ class GenerateConfig:
     seed: int = 0
 
 
-def sampling_params(cfg: SamplingConfig, seed: int):
+def sampling_params(cfg: SamplingConfig, seed: int, stop_ids: tuple[int, ...]):
     from vllm import SamplingParams   # temperature 0 is greedy
     return SamplingParams(n=cfg.num_generations, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                          top_p=cfg.top_p, top_k=cfg.top_k, seed=seed)
+                          top_p=cfg.top_p, top_k=cfg.top_k, seed=seed, stop_token_ids=list(stop_ids))
 
 
 def complete(engine, tokenizer, prompts: list[list[int]], cfg: GenerateConfig) -> list[list[str]]:
     """num_generations completions (text) for each prompt (token ids, `chat_prompt_ids`)."""
     requests = [{"prompt_token_ids": ids} for ids in prompts]
-    outputs = engine.generate(requests, sampling_params(cfg.sampling, cfg.seed), use_tqdm=False)
+    outputs = engine.generate(requests, sampling_params(cfg.sampling, cfg.seed, turn_end(tokenizer).ids),
+                              use_tqdm=False)
     return [[tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in out.outputs] for out in outputs]
 
 

@@ -26,19 +26,19 @@ from torch import Tensor
 
 from forge_core.ckpt import CheckpointConfig, Checkpointer, export_path, finished_message, finished_run
 from forge_core.config import ForgeError, config_to_dict, load_config
-from forge_core.data import (chat_prompt_ids, context_length, fitting_prompts, read_rows, require_fields,
-                             require_text, sample_indices)
+from forge_core.data import chat_prompt_ids, context_length, prompt_rows, sample_indices
 from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, init_roles, release, role_ranks,
                               run_main, set_phase, wait_idle)
 from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check_kv_cache, check_tensor_parallel,
                                engine_dtype, engine_group, generate, join_engine_groups)
 from forge_core.env import EnvConfig, load_env, run_episodes, stop_strings
+from forge_core.exchange import receive_scores, send_rollout, serve
 from forge_core.logprobs import chosen_logprobs
-from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
+from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics, rollout_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, export_hf, linear_kernel, load_model,
                               load_tokenizer, set_gradient_sync, shard, turn_end)
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
-from forge_core.rollout import Rollout, balanced_share, engine_share, pad_cat, shared_prompt_rows
+from forge_core.rollout import Rollout, balanced_share, engine_share, shared_prompt_rows
 from forge_core.scoring import accuracy_scorer, function_names, load_reward_functions, reward_pool, score
 from forge_core.sync import WeightSync
 
@@ -237,22 +237,6 @@ def token_logprobs(model, part: Rollout, temperature: float, with_entropy: bool 
 
 # ---- roles: the reward and reference ranks answer the policy ranks ----
 
-def serve(answer: Callable[[dict], dict], steps: range, one_step_off: bool, roles: Roles) -> None:
-    """Reference and reward ranks, once per step: token ids in (exchange 1), answers out (exchange 2).
-    One step off, the answer sent at step t is the one computed for step t-1 while the policy trained."""
-    group = roles.groups["scoring"]
-    ready = None
-    set_phase("score")                  # between the exchanges
-    for _ in range(len(steps) + one_step_off):
-        gathered = exchange(None, group)
-        batch = merge_rollouts(gathered) if any(p is not None for p in gathered) else None
-        if one_step_off:
-            exchange(ready, group)
-            ready = answer(batch) if batch is not None else None
-        else:
-            exchange(answer(batch), group)
-
-
 def reward_answerer(cfg: GRPOConfig, roles: Roles, tokenizer, rows: list[dict]) -> Callable[[dict], dict]:
     """Reward ranks score their share of all sequences (i % R) with the reward functions (+ reward model)."""
     pool = reward_pool(cfg.rewards, REWARDS_PY)
@@ -301,56 +285,6 @@ class RewardModel:
         ids = torch.cat([batch["prompt_ids"][index], batch["completion_ids"][index]], 1)
         mask = torch.cat([batch["prompt_mask"][index], batch["completion_mask"][index]], 1)
         return self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()
-
-
-def merge_rollouts(gathered: list) -> dict:
-    """The policy ranks' payloads (others sent None), concatenated in rank order = the global sequence index;
-    prompts left-padded and completions right-padded to the widest rank's."""
-    parts = [p for p in gathered if p is not None]
-
-    def cat(key: str, left: bool) -> Tensor:
-        return pad_cat([p[key] for p in parts], left)
-    return {"prompt_ids": cat("prompt_ids", True), "prompt_mask": cat("prompt_mask", True),
-            "completion_ids": cat("completion_ids", False), "completion_mask": cat("completion_mask", False),
-            "row_ids": [r for p in parts for r in p["row_ids"]]}
-
-
-def send_rollout(rollout: Rollout | None, roles: Roles) -> None:
-    """Exchange 1, policy side: token ids out to the reward and reference ranks (None: nothing new)."""
-    exchange(None if rollout is None else
-             {"prompt_ids": rollout.prompt_ids, "prompt_mask": rollout.prompt_mask, "row_ids": rollout.row_ids,
-              "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask},
-             roles.groups["scoring"])
-
-
-def receive_scores(rollout: Rollout | None, roles: Roles, cfg: GRPOConfig, local_rewards) -> None:
-    """Exchange 2, policy side: rewards and reference logprobs for `rollout` come back and are attached."""
-    answers = exchange(None, roles.groups["scoring"])
-    if rollout is None:
-        return
-    n = len(rollout)
-    offset = roles.policy_ranks.index(roles.rank) * n         # every policy rank has the same count
-    if not roles.reward_ranks:        # no reward ranks: rule rewards run right here
-        answers.append({"index": list(range(offset, offset + n)), **local_rewards(rollout)})
-    rewards, errors, timeouts, terms = torch.zeros(n), torch.zeros(n), torch.zeros(n), {}
-    ref = torch.zeros_like(rollout.sampler_logprobs)
-    for answer in filter(None, answers):
-        index = torch.tensor(answer["index"], dtype=torch.long) - offset
-        mine = (index >= 0) & (index < n)
-        at = index[mine]
-        if "rewards" in answer:
-            rewards[at] = torch.tensor(answer["rewards"], dtype=torch.float32)[mine]
-            errors[at] = torch.tensor(answer["errors"], dtype=torch.float32)[mine]
-            timeouts[at] = torch.tensor(answer["timeouts"], dtype=torch.float32)[mine]
-            for name, values in answer["terms"].items():
-                terms.setdefault(name, torch.zeros(n))[at] = torch.tensor(values, dtype=torch.float32)[mine]
-        else:
-            ref[at] = answer["ref_logprobs"][mine][:, :ref.shape[1]]     # the merged batch may be wider
-    if rollout.episode:               # the environment's return, summed over the episode's steps
-        rewards, terms = rewards + rollout.episode["return"], terms | {"env": rollout.episode["return"]}
-    rollout.rewards, rollout.reward_terms = rewards, terms
-    rollout.reward_errors, rollout.reward_timeouts = errors, timeouts
-    rollout.ref_logprobs = ref if cfg.loss.beta > 0 else None
 
 
 def micro_batched_logprobs(model, part: Rollout, micro: int, temperature: float) -> Tensor:
@@ -404,25 +338,6 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
     return {"loss/clip_fraction": totals["clipped"] / tokens, "loss/kl": totals["kl"] / tokens,
             "loss/entropy": totals["entropy"] / tokens, "loss/logprob_gap": totals["gap"] / tokens,
             "train/grad_norm": totals["grad_norm"] / updates, "train/tokens": totals["tokens"] / updates}
-
-
-def rollout_metrics(rollout: Rollout, roles: Roles, accuracy_fn: str) -> dict[str, float]:
-    r = rollout.rewards
-    sums = {"n": len(rollout), "r": r.sum().item(), "r2": (r ** 2).sum().item(),
-            "errors": rollout.reward_errors.sum().item(), "timeouts": rollout.reward_timeouts.sum().item(),
-            "len": rollout.completion_mask.sum().item(), "trunc": rollout.truncated.sum().item(),
-            "dropped": 0.0 if rollout.kept is None else (~rollout.kept).sum().item(),
-            **{f"term/{k}": v.sum().item() for k, v in rollout.reward_terms.items()},
-            **{f"episode/{k}": v.sum().item() for k, v in rollout.episode.items()}}
-    s = reduce_metrics(sums, roles.groups["policy"])
-    mean = s["r"] / s["n"]
-    out = {"reward/mean": mean, "reward/std": math.sqrt(max(s["r2"] / s["n"] - mean ** 2, 0.0)),
-           "reward/errors": s["errors"], "reward/timeouts": s["timeouts"],
-           "reward/accuracy": s.get(f"term/{accuracy_fn}", 0.0) / s["n"],
-           "completion/length": s["len"] / s["n"], "completion/truncated": s["trunc"] / s["n"],
-           "train/dropped_sequences": s["dropped"] / s["n"]}
-    return out | {f"reward/{k[5:]}": v / s["n"] for k, v in s.items() if k.startswith("term/")} | \
-        {k: v / s["n"] for k, v in s.items() if k.startswith("episode/")}
 
 
 def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles, tp: int,
@@ -512,7 +427,7 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
         send_rollout(rollout, roles)
         ready, waiting = (waiting, rollout) if cfg.train.one_step_off else (rollout, None)
         if ready is None:               # one step off, the first step: no scores are due, exchange 2 is empty
-            receive_scores(None, roles, cfg, local_rewards=None)
+            receive_scores(None, roles, local_rewards=None, with_reference=False)
             continue
         ready.seconds["score"] = time.perf_counter() - t1
         yield ready, waiting
@@ -563,7 +478,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
     def collect_scores(rollout: Rollout) -> None:
         """Exchange 2: the rollout's rewards (and reference logprobs) come in; then its group advantages."""
         t = time.perf_counter()
-        receive_scores(rollout, roles, cfg, local_rewards)
+        receive_scores(rollout, roles, local_rewards, cfg.loss.beta > 0)
         attach_advantages(rollout, cfg.loss, G, roles.groups["policy"])
         rollout.seconds["score"] += time.perf_counter() - t
 
@@ -583,7 +498,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         sync = weight_sync() if done % cfg.train.sync_every == 0 or evaluating or saving else None
         t_sync = time.perf_counter()
 
-        metrics = rollout_metrics(rollout, roles, accuracy_name) | stats
+        metrics = rollout_metrics(rollout, roles.groups["policy"], accuracy_name) | stats
         gen_tokens = metrics.get("episode/model_tokens", metrics["completion/length"]) * cfg.train.prompts_per_step * G
         waited = rollout.seconds["score"] - sent
         seconds = rollout.seconds | {"train": t_train - t_start - waited, "sync": t_sync - t_train}
@@ -663,25 +578,23 @@ def main() -> None:
     check_config(cfg, roles.dist.world_size, roles.dist.ranks_per_node)
     load_reward_functions(cfg.rewards, REWARDS_PY)    # a typo in a reward or env name fails here, on every rank
     load_env(cfg.env, ENVIRONMENTS_PY)                # before any work
-    rows = read_rows(cfg.data.path, cfg.data.split, cfg.data.subset)
-    eval_rows = read_rows(cfg.data.eval_path, cfg.data.eval_split, cfg.data.subset)[:cfg.data.eval_rows]
-    require_fields(rows, [cfg.data.prompt_field, cfg.data.answer_field], cfg.data.path)
-    require_fields(eval_rows, [cfg.data.prompt_field, cfg.data.answer_field], cfg.data.eval_path)
-    require_text(rows, cfg.data.prompt_field, cfg.data.path, messages=True)
-    require_text(eval_rows, cfg.data.prompt_field, cfg.data.eval_path, messages=True)
+    tokenizer = load_tokenizer(cfg.model)
+    check_tensor_parallel(cfg.engine, cfg.model)
+    context = context_length(cfg.model, cfg.engine.max_model_len)
+    if cfg.env.name is not None and cfg.env.max_episode_tokens >= context:
+        raise ForgeError(f"config error: env.max_episode_tokens={cfg.env.max_episode_tokens} leaves no room for a "
+                         f"first message in the engine's {context}-token context (engine.max_model_len)")
+    # single turns: a prompt and its whole completion must fit the engine's context (an episode's cannot be known)
+    limit = None if cfg.env.name else context - cfg.sampling.max_tokens
+    why = f"the engine's {context}-token context less sampling.max_tokens={cfg.sampling.max_tokens}"
+    warn = lambda line: print(line, flush=True) if roles.rank == 0 else None    # noqa: E731
+    fields = [cfg.data.prompt_field, cfg.data.answer_field]
+    rows = prompt_rows(cfg.data.path, cfg.data.split, cfg.data.subset, fields, tokenizer, limit, why, warn)
+    eval_rows = prompt_rows(cfg.data.eval_path, cfg.data.eval_split, cfg.data.subset, fields, tokenizer, limit, why,
+                            warn, cfg.data.eval_rows)
     if len(eval_rows) < len(roles.policy_ranks):     # each policy rank evaluates a share of them
         raise ForgeError(f"config error: {len(eval_rows)} held-out row(s) from {cfg.data.eval_path} (data.eval_rows="
                          f"{cfg.data.eval_rows}) for {len(roles.policy_ranks)} policy ranks: give each at least one")
-    tokenizer = load_tokenizer(cfg.model)
-    check_tensor_parallel(cfg.engine, cfg.model)
-    if cfg.env.name is None:        # single turns: a prompt and its whole completion must fit the engine's context
-        context = context_length(cfg.model, cfg.engine.max_model_len)
-        warn = lambda line: print(line, flush=True) if roles.rank == 0 else None
-        limit, why = context - cfg.sampling.max_tokens, (f"the engine's {context}-token context less "
-                                                         f"sampling.max_tokens={cfg.sampling.max_tokens}")
-        rows, _ = fitting_prompts(rows, tokenizer, cfg.data.prompt_field, limit, cfg.data.path, why, warn)
-        eval_rows, _ = fitting_prompts(eval_rows, tokenizer, cfg.data.prompt_field, limit, cfg.data.eval_path, why,
-                                       warn)
     torch.manual_seed(cfg.train.seed)
 
     # Policy ranks load and shard the model and restore the checkpoint before the engine starts, so the

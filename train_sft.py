@@ -26,7 +26,7 @@ from forge_core.dist import Dist, DistConfig, close_dist, freeze_startup_objects
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, export_hf, linear_kernel, load_model,
-                              load_tokenizer, set_gradient_sync, shard)
+                              load_tokenizer, set_gradient_sync, shard, turn_end)
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
 
 
@@ -87,7 +87,9 @@ def load_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], list[dict]
     else:
         n = len(train) - cfg.eval_rows
         train, prompt_ids, eval_rows = train[:n], prompt_ids[:n], train[n:]
-    encoded = [encode_sft(tokenizer, ids, r[cfg.response_field], cfg.max_length) for ids, r in zip(prompt_ids, train)]
+    end_id = turn_end(tokenizer).ids[0]
+    encoded = [encode_sft(tokenizer, ids, r[cfg.response_field], cfg.max_length, end_id)
+               for ids, r in zip(prompt_ids, train)]
     cuts = Cuts(sum(t for *_, t in encoded), skipped, warnings)
     return [(ids, labels) for ids, labels, _ in encoded], eval_rows, cuts
 
@@ -153,9 +155,9 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: SFTConfig, d: Dist) -> dic
     mine = rows[d.rank::d.world_size]
     prompts, responses = [r[cfg.data.prompt_field] for r in mine], [r[cfg.data.response_field] for r in mine]
     nll, targets = 0.0, 0
-    size = cfg.train.micro_batch_size
+    size, end_id = cfg.train.micro_batch_size, turn_end(tokenizer).ids[0]
     for i in range(0, len(mine), size):
-        examples = [encode_sft(tokenizer, chat_prompt_ids(tokenizer, p), r, cfg.data.max_length)[:2]
+        examples = [encode_sft(tokenizer, chat_prompt_ids(tokenizer, p), r, cfg.data.max_length, end_id)[:2]
                     for p, r in zip(prompts[i:i + size], responses[i:i + size])]
         batch = collate_sft(examples, tokenizer.pad_token_id, pack=False, max_length=cfg.data.max_length)
         targets += int((batch["labels"][:, 1:] != IGNORE).sum())
@@ -175,7 +177,7 @@ def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int, d
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
     out = model.generate(input_ids=input_ids.to(d.device), attention_mask=attention_mask.to(d.device),
                          max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, synced_gpus=d.world_size > 1)
+                         eos_token_id=list(turn_end(tokenizer).ids), synced_gpus=d.world_size > 1)
     return tokenizer.batch_decode(out[:len(prompts), width:], skip_special_tokens=True)
 
 

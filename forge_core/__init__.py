@@ -1,0 +1,20 @@
+"""forge-spmd's mechanics; the scripts (train_sft.py, train_grpo.py, generate.py) hold the algorithms and call
+down into these modules, one concern each:
+
+    config    typed configs: YAML + dotted flags into the script's dataclasses; ForgeError, import_symbol
+    dist      ranks and roles: process groups, meshes, exchanges of Python objects, phases, run_main
+    data      rows in (JSONL, Parquet, `datasets`), checked; chat formatting, SFT encoding, packing, sampling
+    tasks     the synthetic tasks the tiny jobs learn (addition, multiplication, a guessing game)
+    model     loading HF models and tokenizers, the template's end of turn, FSDP2 sharding, HF export
+    optim     AdamW and its schedule; a step that skips non-finite gradients
+    logprobs  chosen-token logprobs (and entropy) from logits, a few rows at a time
+    rollout   the Rollout batch and its layouts: padding, the deal of groups over ranks, shared prompts
+    engine    the colocated vLLM engine: building it, sampling params, seeded draws, generate
+    sync      FSDP shards into the engines by collectives (never through files)
+    env       multi-turn episodes: the environment protocol and the turn loop
+    sandbox   running model-written code isolated and bounded
+    scoring   reward functions in isolated worker processes; the reward config's view of them
+    exchange  the GRPO step's two exchanges between policy and scoring ranks
+    metrics   rank-0 output: console, TensorBoard, JSONL; cross-rank sums; a GRPO step's metrics
+    ckpt      atomic, verifiable DCP checkpoints, resume, HF export paths
+"""

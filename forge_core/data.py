@@ -1,12 +1,9 @@
 """Rows in (JSONL / Parquet / a `datasets` name), token ids out: chat template, response-only labels,
 optional packing, and a step-indexed sample stream that makes resuming exact (position = step). A bad row is a
 one-line data error naming its file and row; a prompt too long for what must follow it is dropped and counted.
-
-Also the synthetic verifiable task the tiny default job learns: addition.
 """
 
 import json
-import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +16,7 @@ from .model import ModelConfig
 
 __all__ = ["DataConfig", "read_rows", "require_fields", "require_text", "chat_prompt_ids", "context_length",
            "drop_long_prompts", "fitting_prompts", "encode_sft", "sample_indices", "micro_batches", "collate_sft",
-           "addition_rows", "multiplication_rows", "guess_rows", "careless", "IGNORE"]
+           "prompt_rows", "IGNORE"]
 
 IGNORE = -100   # label of a token that is not trained on (prompt, padding)
 
@@ -177,11 +174,22 @@ def fitting_prompts(rows: list[dict], tokenizer, field: str, limit: int, source:
     return drop_long_prompts(rows, [chat_prompt_ids(tokenizer, r[field]) for r in rows], limit, source, why, warn)
 
 
-def encode_sft(tokenizer, prompt_ids: list[int], response: str, max_length: int
+def prompt_rows(source: str, split: str, subset: str | None, fields: list[str], tokenizer, limit: int | None,
+                why: str, warn: Callable[[str], None], count: int | None = None) -> list[dict]:
+    """The first `count` rows of a data set, each with `fields` and a prompt (the first field) of text or chat
+    messages; with a `limit`, only those whose formatted prompt has at most `limit` tokens (`fitting_prompts`)."""
+    rows = read_rows(source, split, subset)[:count]
+    require_fields(rows, fields, source)
+    require_text(rows, fields[0], source, messages=True)
+    return rows if limit is None else fitting_prompts(rows, tokenizer, fields[0], limit, source, why, warn)[0]
+
+
+def encode_sft(tokenizer, prompt_ids: list[int], response: str, max_length: int, end_id: int
                ) -> tuple[list[int], list[int], bool]:
     """(input_ids, labels, truncated) of a prompt (`chat_prompt_ids`) and its response: labels are IGNORE on the
-    prompt, the response + EOS are trained."""
-    response_ids = tokenizer(response, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    prompt, the response and `end_id` (the template's end of turn, `model.turn_end`: the token at which the
+    engine will stop the model's turn) are trained."""
+    response_ids = tokenizer(response, add_special_tokens=False).input_ids + [end_id]
     ids = (prompt_ids + response_ids)[:max_length]
     labels = ([IGNORE] * len(prompt_ids) + response_ids)[:max_length]
     return ids, labels, len(prompt_ids) + len(response_ids) > max_length
@@ -284,71 +292,3 @@ def _first_fit(examples: list[tuple[list[int], list[int]]], max_length: int) -> 
             rows.append([ex])
             lengths.append(len(ex[0]))
     return rows
-
-
-# ---- the synthetic verifiable task ----
-
-def addition_rows(num_rows: int, seed: int, digits: int = 3, exclude: set[str] = frozenset(),
-                  label_noise: float = 0.0) -> list[dict]:
-    """`12+45=` -> `57`: distinct problems, none of them in `exclude` (keeps eval held out). With `label_noise`,
-    that share of the responses (what SFT imitates) has its last digit one too high (`57` -> `58`, `59` -> `50`),
-    a careless teacher's slip; `answer` (what rewards check) is always the true sum."""
-    rng = random.Random(seed)
-    rows = []
-    for a, b, prompt in _distinct_problems(num_rows, rng, 0, 10 ** digits, "+", exclude):
-        answer = str(a + b)
-        response = careless(answer) if rng.random() < label_noise else answer
-        rows.append({"prompt": prompt, "response": response, "answer": answer})
-    return rows
-
-
-def careless(answer: str) -> str:
-    """The careless teacher's slip: the last digit one too high (`57` -> `58`, `59` -> `50`)."""
-    return answer[:-1] + str((int(answer[-1]) + 1) % 10)
-
-
-def multiplication_rows(num_rows: int, seed: int, exclude: set[str] = frozenset(), tool_share: float = 0.0
-                        ) -> list[dict]:
-    """`37*48=` -> `1776` (two-digit operands), the calculator environment's task. Of the responses SFT imitates,
-    `tool_share` are calculator traces (`<calc>37*48</calc><result>1776</result>1776`), the rest bare answers."""
-    rng = random.Random(seed)
-    rows = []
-    for a, b, prompt in _distinct_problems(num_rows, rng, 10, 100, "*", exclude):
-        answer = str(a * b)
-        trace = f"<calc>{a}*{b}</calc><result>{answer}</result>{answer}"
-        rows.append({"prompt": prompt, "response": trace if rng.random() < tool_share else answer, "answer": answer})
-    return rows
-
-
-def guess_rows(num_games: int, seed: int, high: int = 16) -> list[dict]:
-    """The number-guessing game (environments.py:GuessNumber): `answer` is the secret in [1, high]. Each game is
-    also played by a random but consistent guesser (each guess uniform among the numbers the replies so far
-    allow), one SFT row per guess: `prompt` the conversation so far, `response` the next guess."""
-    rng = random.Random(seed)
-    question = f"Guess my number between 1 and {high}."
-    rows = []
-    for _ in range(num_games):
-        secret, low, top = rng.randint(1, high), 1, high
-        talk = [{"role": "user", "content": question}]
-        while True:
-            guess = rng.randint(low, top)
-            rows.append({"prompt": list(talk), "response": str(guess), "answer": str(secret)})
-            if guess == secret:
-                break
-            reply = "higher" if guess < secret else "lower"
-            low, top = (guess + 1, top) if reply == "higher" else (low, guess - 1)
-            talk += [{"role": "assistant", "content": str(guess)}, {"role": "user", "content": reply}]
-    return rows
-
-
-def _distinct_problems(num_rows: int, rng: random.Random, low: int, high: int, op: str, exclude: set[str]):
-    """(a, b, "a<op>b=") for distinct operand pairs in [low, high), none of whose prompts is in `exclude`."""
-    if num_rows > (high - low) ** 2 - len(exclude):
-        raise ForgeError(f"data error: only {(high - low) ** 2} distinct problems with operands in [{low}, {high})")
-    seen = set(exclude)
-    while len(seen) - len(exclude) < num_rows:
-        a, b = rng.randrange(low, high), rng.randrange(low, high)
-        prompt = f"{a}{op}{b}="
-        if prompt not in seen:
-            seen.add(prompt)
-            yield a, b, prompt

@@ -1,7 +1,7 @@
 """Rank-0 output in one place: a console progress line, TensorBoard scalars and a JSONL file.
 
 `MetricLogger(out_dir, enabled=rank == 0)` is a no-op on the other ranks; `reduce_metrics` is the one
-cross-rank reduction that every rank calls before logging.
+cross-rank reduction that every rank calls before logging (`rollout_metrics`: a GRPO step's).
 """
 
 import json
@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["MetricLogger", "reduce_metrics", "peak_memory_gb"]
+from .rollout import Rollout
+
+__all__ = ["MetricLogger", "reduce_metrics", "rollout_metrics", "peak_memory_gb"]
 
 
 class MetricLogger:
@@ -83,3 +85,24 @@ def _fmt(value: float) -> str:
     if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
         return f"{value:.2e}"
     return f"{value:.4g}"
+
+
+def rollout_metrics(rollout: Rollout, group: dist.ProcessGroup, accuracy_fn: str) -> dict[str, float]:
+    """A GRPO step's rewards (their terms, errors and timeouts), completions and episodes, over all policy ranks
+    (`group`); `accuracy_fn`'s mean is `reward/accuracy`."""
+    r = rollout.rewards
+    sums = {"n": len(rollout), "r": r.sum().item(), "r2": (r ** 2).sum().item(),
+            "errors": rollout.reward_errors.sum().item(), "timeouts": rollout.reward_timeouts.sum().item(),
+            "len": rollout.completion_mask.sum().item(), "trunc": rollout.truncated.sum().item(),
+            "dropped": 0.0 if rollout.kept is None else (~rollout.kept).sum().item(),
+            **{f"term/{k}": v.sum().item() for k, v in rollout.reward_terms.items()},
+            **{f"episode/{k}": v.sum().item() for k, v in rollout.episode.items()}}
+    s = reduce_metrics(sums, group)
+    mean = s["r"] / s["n"]
+    out = {"reward/mean": mean, "reward/std": math.sqrt(max(s["r2"] / s["n"] - mean ** 2, 0.0)),
+           "reward/errors": s["errors"], "reward/timeouts": s["timeouts"],
+           "reward/accuracy": s.get(f"term/{accuracy_fn}", 0.0) / s["n"],
+           "completion/length": s["len"] / s["n"], "completion/truncated": s["trunc"] / s["n"],
+           "train/dropped_sequences": s["dropped"] / s["n"]}
+    return out | {f"reward/{k[5:]}": v / s["n"] for k, v in s.items() if k.startswith("term/")} | \
+        {k: v / s["n"] for k, v in s.items() if k.startswith("episode/")}

@@ -84,6 +84,16 @@ class Liar:
         return [(["obs"], 1.0, False), ("ok", "1", True), ("ok", 1.0, "yes")][self.n % 4 - 1]
 
 
+class LongWinded:
+    """A first message longer than the tiny model's 128-token context for even rows (`n+n=`)."""
+
+    def reset(self, row: dict) -> str:
+        return row["prompt"] * 100 if int(row["prompt"].split("+")[0]) % 2 == 0 else row["prompt"]
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        return "", 1.0, True
+
+
 class Hangs:
     """Every step hangs."""
 

@@ -69,7 +69,8 @@ def test_a_tensor_parallel_engine_plays_each_episode_once(tiny, tmp_path):
 @pytest.fixture(scope="module")
 def episodes(tiny) -> tuple[dict[str, dict], str]:
     """tests/episodes_check.py on two test environments in one launch: {env: its JSON line}, and stderr."""
-    envs = [f"tests/envs_for_tests.py:{name}" for name in ("StopAtST", "Unreliable", "Liar", "Hangs")]
+    envs = [f"tests/envs_for_tests.py:{name}" for name in ("StopAtST", "Unreliable", "Liar", "Hangs",
+                                                                    "LongWinded")]
     proc = run_script("tests/episodes_check.py", [str(tiny / "init"), *envs], nproc=1)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"env": ')]
     return {line["env"].split(":")[1]: line for line in lines}, proc.stderr
@@ -121,6 +122,13 @@ def test_a_turn_whose_every_environment_call_hangs_costs_about_the_timeout(episo
     out = episodes[0]["Hangs"]
     assert out["end_reasons"]["env_error"] == 128
     assert out["seconds"] < 15, out["seconds"]
+
+
+def test_an_episode_whose_context_outgrows_the_engine_ends_as_budget(episodes):
+    """tests/envs_for_tests.py:LongWinded: the even rows' first messages are longer than the engine's 128-token
+    context (vLLM's validation error ended the rank): those 64 episodes end as budget, the others play."""
+    out = episodes[0]["LongWinded"]
+    assert out["end_reasons"] == {"done": 64, "max_turns": 0, "budget": 64, "env_error": 0}, out["end_reasons"]
 
 
 @pytest.fixture(scope="module")

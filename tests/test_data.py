@@ -11,6 +11,7 @@ import rewards
 from forge_core.config import ForgeError
 from forge_core.data import (IGNORE, chat_prompt_ids, collate_sft, encode_sft, micro_batches, read_rows,
                              sample_indices)
+from forge_core.model import turn_end
 
 GSM8K_ROWS = [
     {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -72,17 +73,31 @@ def test_bad_json_line_is_named(tmp_path):
 def test_response_only_labels_and_packing(tiny):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny / "init")
-    ids, labels, truncated = encode_sft(tok, chat_prompt_ids(tok, "12+34="), "46", max_length=64)
+    end = turn_end(tok).ids[0]
+    ids, labels, truncated = encode_sft(tok, chat_prompt_ids(tok, "12+34="), "46", max_length=64, end_id=end)
     assert not truncated
     trained = [t for t in labels if t != IGNORE]
     assert tok.decode(trained) == "46<|im_end|>"
     assert ids[-len(trained):] == trained
     assert tok.decode(ids[:-len(trained)]) == "<|im_start|>user\n12+34=<|im_end|>\n<|im_start|>assistant\n"
-    examples = [encode_sft(tok, chat_prompt_ids(tok, p), r, 64)[:2]
+    examples = [encode_sft(tok, chat_prompt_ids(tok, p), r, 64, end)[:2]
                 for p, r in [("1+1=", "2"), ("10+10=", "20"), ("5+5=", "10")]]
     packed = collate_sft(examples, tok.pad_token_id, pack=True, max_length=64)
     assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
     assert (packed["position_ids"][0] == 0).sum() == 3    # every example restarts its positions
+
+
+def test_sft_trains_the_templates_end_of_turn_not_eos(tiny):
+    """A Llama-3-style template ends an assistant turn with <|eot_id|> and its EOS is <|end_of_text|>: SFT trains
+    the model to end its answers where the template (and the engine, which stops there) ends a turn."""
+    from test_env import LLAMA3_TEMPLATE
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny / "init")
+    tok.add_special_tokens({"eos_token": "<|end_of_text|>",
+                            "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.chat_template = LLAMA3_TEMPLATE
+    _, labels, _ = encode_sft(tok, chat_prompt_ids(tok, "12+34="), "46", max_length=64, end_id=turn_end(tok).ids[0])
+    assert tok.decode([t for t in labels if t != IGNORE]) == "46<|eot_id|>"
 
 
 def test_sample_stream_is_a_function_of_the_step():

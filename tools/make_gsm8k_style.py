@@ -25,7 +25,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # environments.py is a module at the repo root
 from environments import PythonTool  # noqa: E402
-from forge_core.data import careless  # noqa: E402
+from forge_core.tasks import careless  # noqa: E402
 
 NAMES = [("Tom", "he", "his"), ("Mia", "she", "her"), ("Sam", "he", "his"), ("Lena", "she", "her"),
          ("Omar", "he", "his"), ("Ava", "she", "her"), ("Ben", "he", "his"), ("Zoe", "she", "her"),
