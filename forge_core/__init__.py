@@ -14,6 +14,7 @@ down into these modules, one concern each:
     env       multi-turn episodes: the environment protocol and the turn loop
     sandbox   running model-written code isolated and bounded
     scoring   reward functions in isolated worker processes; the reward config's view of them
+    processes what user code starts, found and ended (descendants, subreapers)
     exchange  the GRPO step's two exchanges between policy and scoring ranks
     metrics   rank-0 output: console, TensorBoard, JSONL; cross-rank sums; a GRPO step's metrics
     ckpt      atomic, verifiable DCP checkpoints, resume, HF export paths

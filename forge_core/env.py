@@ -22,10 +22,10 @@ trainer but carry no loss. How an observation is appended depends on how the mod
 - at the chat template's end of turn (`<|im_end|>`, Llama-3's `<|eot_id|>`, or EOS: `model.turn_end`, which
   also stops the engine there): as the next chat message (role `env.observation_role`, default "user"),
   rendered with the chat template, followed by the assistant header;
-- cut by `sampling.max_tokens` (neither): the environment still sees the turn, but unless that ends the episode
-  it ends as `budget` (a cut message is no tool call and no finished message to answer).
+- cut by `sampling.max_tokens` (neither): no tool call either; the observation is the next chat message, the
+  cut message closed by the template's end-of-turn token (an observation token too: the model did not choose it).
 An episode ends when `step` says done, after `max_turns` model turns, when its tokens reach
-`max_episode_tokens` or its context the engine's `max_model_len`, on a cut turn, or on an environment error:
+`max_episode_tokens` or its context the engine's `max_model_len`, or on an environment error:
 `end_reason` records which. Environments are user code, so an error costs its episode (reward 0, counted as
 `env_error`), never the run: a `reset` or `step` that raises (the first of each kind is printed, once per
 rank), an answer of the wrong type (a first message or observation that is not a string, a reward that is not
@@ -44,6 +44,7 @@ Optional attributes an environment may count, summed into the step's metrics: `t
 
 import math
 import numbers
+import os
 import queue
 import sys
 import threading
@@ -61,6 +62,7 @@ from .config import ForgeError, import_symbol
 from .data import chat_prompt_ids
 from .engine import SamplingConfig, max_model_len, sampled_logprobs, sampling_params, seeded_draws
 from .model import turn_end
+from .processes import become_subreaper, descendants, end_descendants_but
 from .rollout import Rollout, pad_left, pad_right
 
 __all__ = ["EnvConfig", "END_REASONS", "load_env", "stop_strings", "run_episodes"]
@@ -124,7 +126,9 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
     episodes = [_Episode(env_class(), []) for _ in rows for _ in range(G)]
     expanded_rows = [row for row in rows for _ in range(G)]
     tool_seconds = 0.0
-    firsts = _on_first(group, lambda: _calls(_reset, episodes, expanded_rows, cfg))
+    become_subreaper()                  # a daemon an environment starts stays below this rank, where it is found
+    spared = frozenset(descendants(os.getpid()))        # what ran before the episodes (reward workers)
+    firsts = _on_first(group, lambda: _calls(_reset, episodes, expanded_rows, cfg, spared))
     if all(first is None for first in firsts):
         raise ForgeError(f"env error: every {env_class.__name__}.reset of a batch failed (why: the line above)")
     for episode, first in zip(episodes, firsts):
@@ -146,7 +150,7 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
             outputs = engine.generate([{"prompt_token_ids": e.context()} for e in running], params, use_tqdm=False)
         actions = [_take_turn(e, out.outputs[0], stops) for e, out in zip(running, outputs)]
         t0 = time.perf_counter()
-        results = _on_first(group, lambda: _calls(_step, running, [text for text, _ in actions], cfg))
+        results = _on_first(group, lambda: _calls(_step, running, [text for text, _ in actions], cfg, spared))
         tool_seconds += time.perf_counter() - t0
         for episode, result, (_, ending) in zip(running, results, actions):
             _answer(episode, result, ending, turn, tokenizer, end.text, cfg)
@@ -180,12 +184,13 @@ def _take_turn(episode: _Episode, sample, stops: list[str]) -> tuple[str, str]:
     return sample.text, "tool" if tool else "cut" if sample.finish_reason == "length" else "end"
 
 
-def _calls(call, episodes: list[_Episode], args: list, cfg: EnvConfig) -> list:
+def _calls(call, episodes: list[_Episode], args: list, cfg: EnvConfig, spared: frozenset[int]) -> list:
     """`call(episode, arg)` for each episode, `cfg.workers` at a time, each in a daemon thread of its own; the
     results in order, None for a call not back `cfg.timeout_s` after it started. Such a call's thread is left
     behind (Python cannot stop it) and its place goes to the next call: a pool's worker would stay taken, and
     calls queued behind hung ones would time out without having run. Calls not started twice `cfg.timeout_s`
-    after the first are not run (None), so that hung calls, however many, cost a bounded time."""
+    after the first are not run (None), so that hung calls, however many, cost a bounded time. Then every process
+    the calls started (this rank's descendants but the `spared`) is killed, daemons included."""
     finished: queue.SimpleQueue = queue.SimpleQueue()
     waiting, started, results, late = deque(range(len(episodes))), {}, [None] * len(episodes), 0
     last_start = time.monotonic() + 2 * cfg.timeout_s
@@ -213,6 +218,7 @@ def _calls(call, episodes: list[_Episode], args: list, cfg: EnvConfig) -> list:
             late += len(expired)
             for i in expired:
                 del started[i]
+    end_descendants_but(spared)
     if late:
         _env_error("timeout", f"{late} environment call(s) not back {cfg.timeout_s:g} s after they started, or "
                               "not started within twice that (env.timeout_s)")
@@ -283,10 +289,8 @@ def _answer(episode: _Episode, result, ending: str, turn: int, tokenizer, end_te
         episode.end_reason = "done"
     elif turn + 1 == cfg.max_turns:
         episode.end_reason = "max_turns"
-    elif ending == "cut":
-        episode.end_reason = "budget"
     else:
-        ids = _observation_ids(tokenizer, observation, ending == "end", role, cfg.max_observation_tokens, end_text)
+        ids = _observation_ids(tokenizer, observation, ending, role, cfg.max_observation_tokens, end_text)
         if len(episode.ids) + len(ids) >= cfg.max_episode_tokens:
             episode.end_reason = "budget"
             return
@@ -295,20 +299,21 @@ def _answer(episode: _Episode, result, ending: str, turn: int, tokenizer, end_te
         episode.logprobs += [0.0] * len(ids)
 
 
-def _observation_ids(tokenizer, text: str, new_message: bool, role: str, max_tokens: int, end_text: str) -> list[int]:
-    """Inline (a tool result inside the model's message) or, after the end of turn, a chat message and the
-    assistant header: the template's text after a finished assistant message's `end_text` (`model.turn_end`), so
-    the header tokens are the template's own."""
+def _observation_ids(tokenizer, text: str, ending: str, role: str, max_tokens: int, end_text: str) -> list[int]:
+    """After a tool call (`ending` "tool"), inline: a tool result inside the model's message. Else a chat message
+    and the assistant header: the template's text after a finished assistant message's `end_text`
+    (`model.turn_end`), so the header tokens are the template's own; a message cut by max_tokens ("cut") is
+    closed by `end_text` first."""
     ids = tokenizer(text, add_special_tokens=False).input_ids[:max_tokens]
-    if not new_message:
+    if ending == "tool":
         return ids
     cut = tokenizer.decode(ids)
     before = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
     base = tokenizer.apply_chat_template(before, tokenize=False)
     full = tokenizer.apply_chat_template(before + [{"role": role, "content": cut}], tokenize=False,
                                          add_generation_prompt=True)
-    after_end = base.rindex(end_text) + len(end_text)
-    return tokenizer(full[after_end:], add_special_tokens=False).input_ids
+    start = base.rindex(end_text) + (0 if ending == "cut" else len(end_text))
+    return tokenizer(full[start:], add_special_tokens=False).input_ids
 
 
 def _to_rollout(episodes: list[_Episode], row_ids: list[int], G: int, pad_id: int, tool_seconds: float,

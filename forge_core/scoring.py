@@ -33,6 +33,7 @@ from multiprocessing.process import BaseProcess
 from typing import Callable, Literal, NoReturn
 
 from .config import ForgeError, import_symbol
+from .processes import become_subreaper, kill_descendants, reap_children
 from .sandbox import SandboxError, exit_status
 
 __all__ = ["FunctionPool", "Outcome", "function_names", "load_reward_functions", "reward_pool", "score",
@@ -280,15 +281,12 @@ class _Batch:
 
 # ---- a worker: a supervisor, and the process it forks to call the functions ----
 
-_PR_SET_CHILD_SUBREAPER = 36            # prctl(2): orphans below this process come to it, not to init
-
-
 def _kill(worker: _Worker) -> None:
     """Kill the worker with everything it started, and reap it. Stopped first, it neither reaps nor starts
     anything while its descendants (all that it started: it is a subreaper) are killed."""
     with suppress(ProcessLookupError):
         os.kill(worker.process.pid, signal.SIGSTOP)
-    _kill_descendants(worker.process.pid)
+    kill_descendants(worker.process.pid)
     worker.process.kill()
     worker.process.join()
     worker.conn.close()
@@ -304,7 +302,7 @@ def _serve_calls(conn: Connection, specs: list[str], default_file: str, key: str
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)     # handled: what the calls started dies too
     if os.getppid() != parent_pid:              # the parent died before prctl
         os._exit(1)
-    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    become_subreaper()
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     supervisor = os.getpid()
     if caller := os.fork():
@@ -322,7 +320,7 @@ def _call_functions(conn: Connection, specs: list[str], default_file: str, key: 
     if os.getppid() != supervisor:
         os._exit(1)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    become_subreaper()
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     functions = [import_symbol(spec, default_file, key) for spec in specs]
     conn.send(None)
@@ -333,58 +331,18 @@ def _call_functions(conn: Connection, specs: list[str], default_file: str, key: 
             os._exit(0)
         for f, args in chunk:
             outcome = _call(functions[f], args)
-            _kill_descendants(os.getpid())
-            _reap_children()
+            kill_descendants(os.getpid())
+            reap_children()
             conn.send(outcome)
 
 
 def _end_as(exit_code: int) -> NoReturn:
     """Kill every process below this one, then end with `exit_code` (-N: by signal N), the caller's."""
-    _kill_descendants(os.getpid())
+    kill_descendants(os.getpid())
     if exit_code < 0:
         signal.signal(-exit_code, signal.SIG_DFL)
         os.kill(os.getpid(), -exit_code)
     os._exit(exit_code if exit_code >= 0 else 1)        # a signal whose default is to be ignored
-
-
-def _kill_descendants(pid: int) -> None:
-    """SIGKILL every living descendant of `pid` until none is left: what one forks meanwhile, the next round
-    finds."""
-    while living := [p for p in _descendants(pid) if _alive(p)]:
-        for descendant in living:
-            with suppress(ProcessLookupError):
-                os.kill(descendant, signal.SIGKILL)
-
-
-def _descendants(pid: int) -> list[int]:
-    found, parents = [], [pid]
-    while parents:
-        children = _children(parents.pop())
-        found += children
-        parents += children
-    return found
-
-
-def _children(pid: int) -> list[int]:
-    """The processes that `pid`'s threads started, zombies included; none once it is gone."""
-    children = []
-    with suppress(FileNotFoundError, ProcessLookupError):
-        for thread in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{thread}/children") as f:
-                children += [int(child) for child in f.read().split()]
-    return children
-
-
-def _alive(pid: int) -> bool:
-    with suppress(FileNotFoundError, ProcessLookupError), open(f"/proc/{pid}/stat") as f:
-        return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")       # not a zombie, nor dead
-    return False
-
-
-def _reap_children() -> None:
-    with suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
 
 
 def _call(fn: Callable, args: tuple) -> float | Outcome:

@@ -1,6 +1,8 @@
 """User-written environments, loaded by path (`env.name: "tests/envs_for_tests.py:NAME"`)."""
 
+import os
 import random
+import subprocess
 import sys
 import time
 
@@ -91,6 +93,24 @@ class LongWinded:
         return row["prompt"] * 100 if int(row["prompt"].split("+")[0]) % 2 == 0 else row["prompt"]
 
     def step(self, action: str) -> tuple[str, float, bool]:
+        return "", 1.0, True
+
+
+class Spawner:
+    """Starts what outlives a process group: a child in a session of its own, in `reset`, and a daemon (double
+    fork, setsid) in `step`; both sleep STRAY_SECONDS, a number no other process here sleeps."""
+    STRAY_SECONDS = "1017.25"
+
+    def reset(self, row: dict) -> str:
+        subprocess.Popen(["sleep", self.STRAY_SECONDS], start_new_session=True)
+        return row["prompt"]
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.execvp("sleep", ["sleep", self.STRAY_SECONDS])
+            os._exit(0)
         return "", 1.0, True
 
 
