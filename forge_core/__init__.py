@@ -13,6 +13,9 @@ down into these modules, one concern each:
     sync      FSDP shards into the engines by collectives (never through files)
     env       multi-turn episodes: the environment protocol and the turn loop
     sandbox   running model-written code isolated and bounded
+    rootfs    a sandboxed call's root: the host's system directories read-only, a private /tmp; the mount table
+    cgroups   a sandboxed call's cgroups (v1 or v2): its memory, processes and CPU; the memory of calls at once
+    seccomp   the syscalls a sandboxed call may not make: a BPF filter that libseccomp builds
     scoring   reward functions in isolated worker processes; the reward config's view of them
     processes what user code starts, found and ended (descendants, subreapers)
     exchange  the GRPO step's two exchanges between policy and scoring ranks

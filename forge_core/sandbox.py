@@ -4,18 +4,15 @@ after the call. Users' reward functions run in worker processes on terms of thei
     results = run_python_many(["print(2 + 2)", "while True: pass"], SandboxConfig(timeout_s=2))
     [r.observation() for r in results]          # ['4\n', '[timed out after 2.0s]\n']
 
-Each call (`run_isolated`) runs in cgroups of its own as `unshare --pid --fork --kill-child --mount-proc --net --ipc
---uts --cgroup -- sh -c MOUNTS -- python ENTER -- prlimit ... -- setpriv ... -- ARGV` in a session of its own
-(`start_new_session`), with an empty environment, stdin from a file and stdout/stderr to unlinked files
-(RLIMIT_FSIZE bounds them; the first `max_output_bytes` of each are read back). MOUNTS builds a new root and chroots
-into it: a read-only tmpfs holding the system directories (/usr, /lib...), the interpreter's own installation (a
-venv and the interpreter it links to), /proc, /dev/null and /dev/urandom, all bound read-only, a copy of the few
-files of /etc that programs read (`ETC_NEEDED`; not the rest of /etc, where a container's secrets are often
-mounted), and a tmpfs of `disk_mb` on /tmp and /dev/shm, the working directory: everything the code writes is
-there, counts against `disk_mb` (then "No space left on device") and `memory_mb`, and is gone with the call's mount
-namespace. The caller's files, the job's data (its answers too) and every other mount are not in the call's root at
-all. ENTER (`cfg.python -I -S`, still privileged) names the host "sandbox", loads the call's seccomp filter and
-cds to /tmp. What holds:
+Each call (`run_isolated`) runs in cgroups of its own (forge_core/cgroups.py) as `unshare --pid --fork --kill-child
+--mount-proc --net --ipc --uts --cgroup -- sh -c MOUNTS -- python ENTER -- prlimit ... -- setpriv ... -- ARGV` in a
+session of its own (`start_new_session`), with an empty environment, stdin from a file and stdout/stderr to unlinked
+files (RLIMIT_FSIZE bounds them; the first `max_output_bytes` of each are read back). MOUNTS builds a new root and
+chroots into it (forge_core/rootfs.py): the system directories, the interpreter's installation, /proc and two
+devices, read-only, the few files of /etc that programs read, and a tmpfs of `disk_mb` on /tmp and /dev/shm, the
+working directory, gone with the call; the caller's files, the job's data (its answers too) and every other mount
+are not in it. ENTER (`cfg.python -I -S`, still privileged) names the host "sandbox", loads the call's seccomp
+filter (forge_core/seccomp.py) and cds to /tmp. What holds:
 - As root: PID (with its own /proc), network (a loopback that is down: "Network is unreachable"), IPC, UTS and
   cgroup namespaces, and the code runs with no supplementary groups and no_new_privs as a uid/gid of its own:
   one of `first_user` .. `first_user + users - 1` that no other call on this machine runs as while it runs (an
@@ -25,36 +22,23 @@ cds to /tmp. What holds:
   (`unshare --user --map-root-user`), which builds the root and then runs the code with no capabilities (an
   empty bounding set): uid 0 inside, the caller's file permissions on what the root holds, all of it read-only.
   Needs unprivileged user namespaces and a cgroup delegated to the caller, else `SandboxError` at the first call.
-- Either way, a call is bounded as a whole by cgroups of its own (v1 or v2, whichever holds each controller), made
-  under the caller's own (whose limits hold over them too), which the call's first process joins before it starts
-  anything: its processes, pipes, memfds and /tmp (a tmpfs is charged to the cgroup that writes it) share
-  `memory_mb` (beyond it the kernel's OOM killer kills the call's largest process), its processes and threads are
-  at most `max_processes` (pids.max), and it runs on at most `cpus` CPUs at once (a CPU quota: its CPU time is at
-  most cpus x timeout_s). Where no such cgroup can be made, `SandboxError` at the first call, never a call without
-  them. After the call whatever is left in them is killed and they are removed.
-- Calls of one process at once: each holds its `memory_mb` of `total_memory_mb` while it runs, and one that does
-  not fit waits to start. Held shares, not one parent cgroup with memory.max at the total: at a shared limit the
-  OOM killer kills the largest process of any call, so one call's allocations could kill another's code, where
-  held shares leave each call's outcome to its own code. The host's bound is ranks x total_memory_mb.
-- A seccomp filter makes the syscalls that no tool needs fail with EPERM (`DENIED_SYSCALLS`: bpf, io_uring,
-  userfaultfd, perf_event_open, the kernel keyring, ptrace, mounts, kexec, kernel modules) and kills a process that
-  makes another architecture's syscalls (x32, int 0x80); RLIMIT_MEMLOCK is 0.
-- When the code's first process ends, or when the call times out and we kill it, the kernel
-  kills every process left in its PID namespace, daemons that left the process group with setsid() included.
-  That first process is the namespace's init (pid 1), so signals it sends itself without a handler are ignored.
-  When the calling process is killed, its calls in flight die with it (PR_SET_PDEATHSIG at both ends).
+- Either way, the call's cgroups bound it as a whole: its processes, pipes, memfds and /tmp share `memory_mb`
+  (beyond it the OOM killer kills its largest process), its processes and threads are at most `max_processes`, and
+  it runs on at most `cpus` CPUs at once (its CPU time is at most cpus x timeout_s). Where no such cgroup can be
+  made, `SandboxError` at the first call, never a call without them. This process's calls at once hold at most
+  `total_memory_mb` (a call that does not fit waits to start): the host's bound is ranks x total_memory_mb.
+- The seccomp filter makes the syscalls that no tool needs (bpf, io_uring, ptrace, mounts...) fail with EPERM and
+  kills a process that makes another architecture's syscalls; RLIMIT_MEMLOCK is 0.
+- When the code's first process ends, or when the call times out and we kill it, the kernel kills every process
+  left in its PID namespace, daemons that left the process group with setsid() included, and then what is left in
+  its cgroups is killed. That first process is the namespace's init (pid 1), so signals it sends itself without a
+  handler are ignored. When the calling process is killed, its calls in flight die with it (PR_SET_PDEATHSIG).
 Not covered: the code reads what its uid may read in the system directories; where the machine allows
 unprivileged user namespaces, it may make its own (the filter and the cgroups hold in them too).
 """
 
-import ctypes
-import ctypes.util
-import errno
 import fcntl
 import os
-import re
-import shlex
-import shutil
 import signal
 import stat
 import subprocess
@@ -62,20 +46,24 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, contextmanager, suppress
+from dataclasses import dataclass
 from functools import cache
-from itertools import count, repeat
+from itertools import repeat
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
+from .cgroups import Hierarchy, MemoryBudget, call_cgroups, find_hierarchies, join, remove_stale
 from .config import ForgeError
+from .rootfs import private_root, tool
+from .seccomp import syscall_filter
 
 __all__ = ["SandboxConfig", "SandboxResult", "SandboxError", "run_isolated", "run_python", "run_python_many",
            "exit_status"]
 
 
 _UNSHARE_SIGKILL_BUG = b"unshare: sigprocmask unblock failed: Invalid argument\n"
+_MEMORY = MemoryBudget()                # of this process's calls in flight
 
 
 class SandboxError(ForgeError):
@@ -122,10 +110,13 @@ def run_isolated(argv: list[str], cfg: SandboxConfig, stdin: bytes = b"") -> San
     """Run `argv` (its program must be executable by any user) isolated and limited as the module docstring
     says, in a fresh /tmp; return once no process it started is left."""
     _check_program(cfg.python, argv[0])
+    if cfg.memory_mb > cfg.total_memory_mb:
+        raise SandboxError(f"sandbox error: memory_mb {cfg.memory_mb} is more than total_memory_mb "
+                           f"{cfg.total_memory_mb}, so the call could never start")
     with _MEMORY.held(cfg.memory_mb, cfg.total_memory_mb), _own_user(cfg) as uid, \
             _call_cgroups(cfg, _hierarchies()) as cgroups, tempfile.TemporaryFile() as input_file, \
             tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        command = [*_dies_with_caller(), *_join(cgroups), *_namespaces(),
+        command = [*_dies_with_caller(), *join(cgroups, _tool("sh")), *_namespaces(),
                    *_private_root(cfg.disk_mb, uid, cfg.python, argv[0]), *_limits(cfg), *_drop_privileges(uid), *argv]
         input_file.write(stdin)
         input_file.seek(0)
@@ -181,41 +172,10 @@ def _check_program(python: str, program: str) -> None:
                            f"({' '.join(probe.stderr.split()) or 'not there'})")
 
 
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")   # what programs run from
-ETC_NEEDED = ("ld.so.cache", "localtime", "python3*")    # what of /etc they read: the loader's cache, the time zone,
-                                                         # Debian's Python configuration (its sitecustomize)
-DEVICES = ("/dev/null", "/dev/urandom")
-NEW_ROOT = "/sys"       # where the root is built, hiding /sys in this mount namespace: no program is installed
-                        # there, where /tmp may hold one (a venv in a clone under /tmp)
-
-
 def _private_root(disk_mb: int, uid: int | None, python: str, program: str) -> list[str]:
-    """Inside the namespaces, still privileged there: a new root that holds only what programs need to run (the
-    system directories, the program's and the interpreter's installations, /proc, a few devices), bound
-    read-only, and a copy of ETC_NEEDED; a tmpfs of disk_mb, owned by the code's uid, on its /tmp and /dev/shm;
-    then chroot into it and run the rest of the command through ENTER. The caller's files, the job's data and
-    every other mount are out of sight."""
-    mount, owner, sh = _tool("mount"), f",uid={uid},gid={uid}" if uid is not None else "", _tool("sh")
-    shown = list(dict.fromkeys([*(top for top in SYSTEM_DIRS if os.path.lexists(top)), *_installation(python),
-                                *_installation(program)]))
-    links, dirs = [top for top in shown if os.path.islink(top)], [top for top in shown if not os.path.islink(top)]
-    etc = sorted(str(path) for pattern in ETC_NEEDED for path in Path("/etc").glob(pattern))
-    devices = [device for device in DEVICES if os.path.exists(device)]
-    steps = [["umask", "022"], [mount, "-t", "tmpfs", "-o", "size=1m,mode=0755,nosuid,nodev", "tmpfs", NEW_ROOT],
-             [_tool("mkdir"), "-p", *(NEW_ROOT + d for d in ("/proc", "/dev/shm", "/tmp", "/etc"))],
-             *([[_tool("cp"), "-RP", "--preserve=mode", *etc, NEW_ROOT + "/etc"]] if etc else []),
-             [mount, "-t", "tmpfs", "-o", f"size={disk_mb}m,mode=0700,nosuid,nodev{owner}", "tmpfs", NEW_ROOT + "/tmp"],
-             [mount, "--bind", NEW_ROOT + "/tmp", NEW_ROOT + "/dev/shm"],
-             [_tool("mkdir"), "-p", *(NEW_ROOT + d for d in dirs)],      # after /tmp: an installation may be in it
-             *([[_tool("cp"), "-P", *links, NEW_ROOT]] if links else []),
-             *([mount, "--rbind", d, NEW_ROOT + d] for d in dirs),
-             *([mount, "-o", f"remount,bind,{options}", NEW_ROOT + point] for point, options in _read_only(dirs)),
-             [_tool("touch"), *(NEW_ROOT + device for device in devices)],
-             *([mount, "--bind", device, NEW_ROOT + device] for device in devices),
-             [mount, "--rbind", "/proc", NEW_ROOT + "/proc"],
-             [mount, "-o", "remount,bind,ro,nosuid,nodev", NEW_ROOT],
-             ["exec", _tool("chroot"), NEW_ROOT, python, "-I", "-S", "-c", ENTER, _syscall_filter()]]
-    return [sh, "-c", " && ".join(shlex.join(step) for step in steps) + ' "$@"', "sh"]
+    """Inside the namespaces, still privileged there: into the call's root (forge_core/rootfs.py), then ENTER."""
+    with _lacking():
+        return private_root(disk_mb, uid, python, program, [python, "-I", "-S", "-c", ENTER, syscall_filter()])
 
 
 ENTER = """
@@ -230,51 +190,6 @@ if libc.sethostname(b"sandbox", 7) or libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FI
 os.chdir("/tmp")
 os.execve(sys.argv[2], sys.argv[2:], {})
 """     # the call's last step as root of its namespaces, in its root: ENTER FILTER-IN-HEX COMMAND...
-
-
-def _installation(program: str) -> list[str]:
-    """The directories a program outside the system directories runs from: the prefix above its bin/ (a venv's,
-    with pyvenv.cfg) and, where it is a link, the prefix of the file it links to (the venv's base interpreter)."""
-    prefixes = {str(Path(program).parent.resolve().parent), str(Path(program).resolve().parent.parent)}
-    system = [os.path.realpath(top) for top in SYSTEM_DIRS]
-    outside = sorted(p for p in prefixes if not any(Path(p).is_relative_to(top) for top in system))
-    if "/" in outside:
-        raise SandboxError(f"sandbox error: {program} is not installed under a directory of its own")
-    return outside
-
-
-def _read_only(dirs: list[str]) -> list[tuple[str, str]]:
-    """What to remount read-only in the new root, where `dirs` are bound with the mounts under them: each of
-    `dirs` (its binding has the flags of the mount that holds it) and each mount under one, with the flags of
-    its own (nosuid, noexec, atime, ...) kept, as a user namespace may not clear them. Autofs triggers (looking
-    would mount them) and mount points this process cannot reach (another user's FUSE mount: the code, with no
-    more rights than this process, cannot reach it either) are left alone. Read afresh at every call."""
-    mounts = _mounts()
-    under = [point for point in mounts if any(Path(point).is_relative_to(d) for d in dirs) and os.path.exists(point)]
-    holders = {point: max((m for m in mounts if Path(point).is_relative_to(m)), key=len) for point in (*dirs, *under)}
-    return [(point, _read_only_options(mounts[m])) for point, m in holders.items() if "rw" in mounts[m]]
-
-
-def _mounts() -> dict[str, list[str]]:
-    """Mount points and their options (the top one where several are stacked), autofs triggers left out."""
-    return {point: options for _, point, fstype, options, _ in _mountinfo() if fstype != "autofs"}
-
-
-def _mountinfo() -> Iterator[tuple[str, str, str, list[str], list[str]]]:
-    """Each mount's root in its filesystem, mount point, type, options, and its filesystem's own options."""
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields, (fstype, _, super_options) = line.split(), line.split(" - ")[1].split()
-            yield (_unescape(fields[3]), _unescape(fields[4]), fstype, fields[5].split(","),
-                   super_options.split(","))
-
-
-def _unescape(path: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path)
-
-
-def _read_only_options(options: list[str]) -> str:
-    return ",".join("ro" if option == "rw" else option for option in options)
 
 
 @contextmanager
@@ -334,61 +249,30 @@ def _drop_privileges(uid: int | None) -> list[str]:
 
 
 def _tool(name: str) -> str:
-    path = shutil.which(name, path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")   # chroot: sbin, not on every PATH
-    if path is None:
-        raise SandboxError(f"sandbox error: '{name}' is not on PATH (util-linux and coreutils are needed)")
-    return path
+    with _lacking():
+        return tool(name)
 
 
-# ---- cgroups: each call's memory, processes and CPU as a whole, and the memory of the calls at once ----
-
-CONTROLLERS = ("memory", "pids", "cpu")
-CPU_PERIOD_US = 100_000
-_SWAP_LIMITS = ("memory.memsw.limit_in_bytes", "memory.swap.max")      # there only where swap is accounted
-_CALL_NUMBERS = count()
-
-
-@dataclass(frozen=True)
-class _Hierarchy:
-    directory: Path                     # this process's cgroup in it: its calls' cgroups are made under it
-    version: int                        # 1 or 2
-    controllers: tuple[str, ...]        # those of CONTROLLERS that it holds
+@contextmanager
+def _lacking() -> Iterator[None]:
+    """What this machine lacks for a call (a tool, libseccomp, a program's own installation), in one line."""
+    try:
+        yield
+    except OSError as err:
+        raise SandboxError(f"sandbox error: {err}") from None
 
 
-@dataclass
-class _MemoryBudget:
-    """The memory_mb that this process's calls in flight hold."""
-    held_mb: int = 0
-    changed: threading.Condition = field(default_factory=threading.Condition)
-
-    @contextmanager
-    def held(self, memory_mb: int, total_mb: int) -> Iterator[None]:
-        if memory_mb > total_mb:
-            raise SandboxError(f"sandbox error: memory_mb {memory_mb} is more than total_memory_mb {total_mb}, "
-                               "so the call could never start")
-        with self.changed:
-            self.changed.wait_for(lambda: self.held_mb + memory_mb <= total_mb)
-            self.held_mb += memory_mb
-        try:
-            yield
-        finally:
-            with self.changed:
-                self.held_mb -= memory_mb
-                self.changed.notify_all()
-
-
-_MEMORY = _MemoryBudget()
-
+# ---- cgroups: the call's memory, processes and CPU as a whole (forge_core/cgroups.py) ----
 
 @cache
-def _hierarchies() -> tuple[_Hierarchy, ...]:
+def _hierarchies() -> tuple[Hierarchy, ...]:
     """Where this process's calls get their cgroups, tried once (a call's cgroups made, joined and removed):
     else one line, never a call that runs unbounded."""
     try:
-        hierarchies = _find_hierarchies()
-        _remove_stale(hierarchies)
+        hierarchies = find_hierarchies()
+        remove_stale(hierarchies)
         with _call_cgroups(SandboxConfig(), hierarchies) as cgroups:
-            joined = subprocess.run([*_join(cgroups), _tool("true")], capture_output=True, text=True)
+            joined = subprocess.run([*join(cgroups, _tool("sh")), _tool("true")], capture_output=True, text=True)
         problem = joined.stderr.strip() if joined.returncode else ""
     except OSError as err:
         problem = str(err)
@@ -399,121 +283,9 @@ def _hierarchies() -> tuple[_Hierarchy, ...]:
     return hierarchies
 
 
-def _find_hierarchies() -> tuple[_Hierarchy, ...]:
-    """This process's cgroup in each hierarchy that holds some of CONTROLLERS: in v1 each controller has one (some
-    share it), in v2 one holds them all, where this process's cgroup must enable them for its children."""
-    own = dict(line.rstrip("\n").split(":", 2)[1:] for line in open("/proc/self/cgroup"))   # controllers: path
-    found, held = [], set()
-    for root, point, fstype, _, options in _mountinfo():
-        version = {"cgroup": 1, "cgroup2": 2}.get(fstype)
-        # v1: the hierarchy's line in /proc/self/cgroup names its controllers, as the mount's options do; v2's, none
-        names = next((n for n in own if n and set(n.split(",")) <= set(options)), None) if version == 1 else ""
-        path = own.get(names) if version else None
-        if path is None or not Path(path).is_relative_to(root):
-            continue
-        directory = Path(point, Path(path).relative_to(root))
-        offered = names.split(",") if version == 1 else (directory / "cgroup.controllers").read_text().split()
-        if controllers := tuple(c for c in CONTROLLERS if c in offered and c not in held):
-            if version == 2:
-                (directory / "cgroup.subtree_control").write_text(" ".join("+" + c for c in controllers))
-            found.append(_Hierarchy(directory, version, controllers))
-            held.update(controllers)
-    if missing := [c for c in CONTROLLERS if c not in held]:
-        raise OSError(f"no cgroup hierarchy holds {', '.join(missing)}")
-    return tuple(found)
-
-
-def _remove_stale(hierarchies: tuple[_Hierarchy, ...]) -> None:
-    """Remove the call cgroups of processes that are gone: one killed in a call could not."""
-    for hierarchy in hierarchies:
-        for directory in hierarchy.directory.glob("forge-sandbox-*"):
-            if not Path("/proc", directory.name.split("-")[2]).exists():
-                with suppress(OSError):
-                    _remove_cgroup(directory)
-
-
-@contextmanager
-def _call_cgroups(cfg: SandboxConfig, hierarchies: tuple[_Hierarchy, ...]) -> Iterator[list[Path]]:
-    """The call's cgroup in each hierarchy, limited as cfg says: yields them for the call's first process to join.
-    Then whatever is left in them is killed, and they are removed."""
-    name = f"forge-sandbox-{os.getpid()}-{next(_CALL_NUMBERS)}"
-    made = []
-    try:
-        for hierarchy in hierarchies:
-            directory = hierarchy.directory / name
-            directory.mkdir()
-            made.append(directory)
-            for file, value in _cgroup_limits(cfg, hierarchy):
-                if file not in _SWAP_LIMITS or (directory / file).exists():
-                    (directory / file).write_text(value)
-        yield made
-    finally:
-        for directory in made:
-            _remove_cgroup(directory)
-
-
-def _cgroup_limits(cfg: SandboxConfig, hierarchy: _Hierarchy) -> list[tuple[str, str]]:
-    memory, quota_us = str(cfg.memory_mb << 20), round(cfg.cpus * CPU_PERIOD_US)
-    files = {1: {"memory": [("memory.limit_in_bytes", memory), ("memory.memsw.limit_in_bytes", memory)],
-                 "cpu": [("cpu.cfs_period_us", str(CPU_PERIOD_US)), ("cpu.cfs_quota_us", str(quota_us))]},
-             2: {"memory": [("memory.max", memory), ("memory.swap.max", "0")],
-                 "cpu": [("cpu.max", f"{quota_us} {CPU_PERIOD_US}")]}}[hierarchy.version]
-    files["pids"] = [("pids.max", str(cfg.max_processes + 1))]     # and unshare, outside the PID namespace
-    return [limit for controller in hierarchy.controllers for limit in files[controller]]
-
-
-def _join(cgroups: list[Path]) -> list[str]:
-    # the call's first process moves itself into its cgroups before it starts anything, so all it starts is in them
-    moves = " && ".join(f"echo $$ > {shlex.quote(str(cgroup / 'cgroup.procs'))}" for cgroup in cgroups)
-    return [_tool("sh"), "-c", moves + ' && exec "$@"', "sh"]
-
-
-def _remove_cgroup(directory: Path) -> None:
-    """Kill what is left in a call's cgroup until none is left (v1 has no cgroup.kill: the same loop serves v2; a
-    killed process forks no more, and leaves cgroup.procs as it exits), then remove it."""
-    while pids := (directory / "cgroup.procs").read_text().split():
-        for pid in pids:
-            with suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        time.sleep(0.001)
-    directory.rmdir()
-
-
-# ---- the seccomp filter ----
-
-DENIED_SYSCALLS = ("bpf", "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd", "perf_event_open",
-                   "keyctl", "add_key", "request_key", "ptrace", "mount", "umount2", "pivot_root", "fsopen",
-                   "fsconfig", "fsmount", "move_mount", "open_tree", "mount_setattr", "kexec_load", "kexec_file_load",
-                   "init_module", "finit_module", "delete_module")
-_SCMP_ACT_ALLOW, _SCMP_ACT_KILL_PROCESS, _SCMP_ACT_EPERM = 0x7FFF0000, 0x80000000, 0x00050000 | errno.EPERM
-_SCMP_FLTATR_ACT_BADARCH, _NR_SCMP_ERROR = 2, -1
-
-
-@cache
-def _syscall_filter() -> str:
-    """The seccomp filter, a BPF program in hex, that ENTER loads: DENIED_SYSCALLS fail with EPERM, and another
-    architecture's syscalls kill the process. libseccomp (Debian's libseccomp2, which apt needs) knows each
-    architecture's numbers."""
-    library = ctypes.util.find_library("seccomp")
-    if library is None:
-        raise SandboxError("sandbox error: libseccomp is not installed (Debian: apt-get install libseccomp2)")
-    seccomp = ctypes.CDLL(library)
-    seccomp.seccomp_init.restype = ctypes.c_void_p
-    context = ctypes.c_void_p(seccomp.seccomp_init(ctypes.c_uint32(_SCMP_ACT_ALLOW)))
-    try:
-        seccomp.seccomp_attr_set(context, _SCMP_FLTATR_ACT_BADARCH, ctypes.c_uint32(_SCMP_ACT_KILL_PROCESS))
-        for name in DENIED_SYSCALLS:
-            number = seccomp.seccomp_syscall_resolve_name(name.encode())
-            if number == _NR_SCMP_ERROR or seccomp.seccomp_rule_add(context, ctypes.c_uint32(_SCMP_ACT_EPERM),
-                                                                    number, 0) < 0:
-                raise SandboxError(f"sandbox error: libseccomp cannot deny the syscall {name}")
-        with tempfile.TemporaryFile() as program:
-            if seccomp.seccomp_export_bpf(context, program.fileno()) < 0:
-                raise SandboxError("sandbox error: libseccomp cannot build the seccomp filter")
-            program.seek(0)
-            return program.read().hex()
-    finally:
-        seccomp.seccomp_release(context)
+def _call_cgroups(cfg: SandboxConfig, hierarchies: tuple[Hierarchy, ...]) -> AbstractContextManager[list[Path]]:
+    # pids.max counts unshare too, which is outside the PID namespace
+    return call_cgroups(hierarchies, cfg.memory_mb, cfg.max_processes + 1, cfg.cpus)
 
 
 # ---- waiting, killing, reading back ----

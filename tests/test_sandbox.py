@@ -1,6 +1,7 @@
 """The sandbox against hostile code, with real subprocesses: limits, isolation, cleanup, parallel calls.
 
-Run as root (as the trainer is here): the code inside runs as uids 60000-60999, as no other process here does.
+Run as root (as the trainer is here): the code inside runs as uids 60000-60999, as the PythonTool calls of other
+test files do (`make test` runs two files at once), so what a test finds left running is only what it started.
 """
 
 import dataclasses
@@ -22,8 +23,9 @@ from typing import Iterable, Iterator
 
 import pytest
 
-from forge_core.sandbox import (ETC_NEEDED, SandboxConfig, SandboxError, _hierarchies, _join, run_python,
-                                run_python_many)
+from forge_core.cgroups import join
+from forge_core.rootfs import ETC_NEEDED
+from forge_core.sandbox import SandboxConfig, SandboxError, _hierarchies, run_python, run_python_many
 
 REPO = Path(__file__).resolve().parents[1]
 SANDBOX_USERS = range(SandboxConfig().first_user, SandboxConfig().first_user + SandboxConfig().users)
@@ -31,13 +33,27 @@ NOBODY = 65534
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="drops to other uids and checks their processes: needs root")
 
 
-def processes_of(uids: Iterable[int]) -> list[int]:
+def processes_of(uids: Iterable[int], callers: Iterable[int] = ()) -> list[int]:
+    """The processes of `uids` that this test process started, directly or through `callers`: in a cgroup of their
+    calls (forge-sandbox-PID-N, which no process leaves) or of this process's delegated ones, or below this process.
+    Not every process of those uids: another test process's calls run as them too."""
+    marks = [f"/forge-sandbox-{pid}-" for pid in (os.getpid(), *callers)] + [f"/forge-test-delegated-{os.getpid()}/"]
     pids = []
     for name in os.listdir("/proc"):
-        with suppress(FileNotFoundError):
-            if name.isdigit() and os.stat(f"/proc/{name}").st_uid in uids:
+        with suppress(FileNotFoundError, ProcessLookupError):
+            if name.isdigit() and os.stat(f"/proc/{name}").st_uid in uids and (
+                    any(mark in Path(f"/proc/{name}/cgroup").read_text() for mark in marks) or below_us(int(name))):
                 pids.append(int(name))
     return pids
+
+
+def below_us(pid: int) -> bool:
+    """Whether `pid` descends from this process (host pids, whatever PID namespace it is in)."""
+    while pid > 1:
+        pid = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])      # its parent
+        if pid == os.getpid():
+            return True
+    return False
 
 
 def test_normal_code_returns_its_stdout():
@@ -305,28 +321,28 @@ while not os.path.exists("started"):
 
 
 def test_a_call_dies_with_its_caller():
-    """A rank killed with SIGKILL (kill -9, the OOM killer) takes its calls in flight with it: before, sleeping
-    code lived on as an orphan until it woke, holding its uid. Its calls' cgroups, which it could not remove,
-    the next process to make calls removes."""
+    """A rank killed with SIGKILL (kill -9, the OOM killer) takes its calls in flight with it: sleeping code does
+    not live on as an orphan, holding its uid. Its calls' cgroups, which it could not remove, the next process to
+    make calls removes (this test's next caller, unless another test process's first call has)."""
     def sandboxed_after(seconds: float, running: bool) -> bool:
         deadline = time.monotonic() + seconds
-        while bool(processes_of(SANDBOX_USERS)) != running and time.monotonic() < deadline:
+        while bool(processes_of(SANDBOX_USERS, [caller.pid])) != running and time.monotonic() < deadline:
             time.sleep(0.05)
-        return bool(processes_of(SANDBOX_USERS))
+        return bool(processes_of(SANDBOX_USERS, [caller.pid]))
 
     hierarchies = _hierarchies()        # here first, the sweep of stale cgroups is done before the caller starts
     caller = subprocess.Popen([sys.executable, "-c", "from forge_core.sandbox import SandboxConfig, run_python\n"
                                "run_python('import time\\ntime.sleep(60)', SandboxConfig(timeout_s=60))"], cwd=REPO)
     assert sandboxed_after(30, running=True), "the call did not start"
+    made = [cgroup for h in hierarchies for cgroup in h.directory.glob(f"forge-sandbox-{caller.pid}-*")]
+    assert len(made) == len(hierarchies)
     caller.kill()
     caller.wait()
     assert not sandboxed_after(5, running=False)
-    left = [cgroup for h in hierarchies for cgroup in h.directory.glob(f"forge-sandbox-{caller.pid}-*")]
-    assert len(left) == len(hierarchies)
     after = subprocess.run([sys.executable, "-c", "from forge_core.sandbox import SandboxConfig, run_python\n"
                             "print(run_python('print(1)', SandboxConfig()).stdout, end='')"],
                            cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert after.stdout == "1\n" and not any(cgroup.exists() for cgroup in left), after.stderr
+    assert after.stdout == "1\n" and not any(cgroup.exists() for cgroup in made), after.stderr
 
 
 def test_writes_outside_the_working_directory_are_refused():
@@ -428,13 +444,19 @@ def test_a_fork_bomb_does_not_stop_calls_that_run_at_once():
     assert [r.observation() for r in during] == ["0\n"] * 4 and bombing.result().exit_code == 0
 
 
+def shared_memory_keys(ipcs_m: str) -> list[str]:
+    return [line.split()[0] for line in ipcs_m.splitlines() if line.startswith("0x")]
+
+
 def test_ipc_objects_are_the_calls_own():
-    before = subprocess.run(["ipcs", "-m"], capture_output=True, text=True).stdout
+    """The call sees only the segment it made (ipcmk draws its key at random), and the host does not see it (other
+    processes here make and remove segments of their own meanwhile)."""
     code = ("import subprocess\nsubprocess.run(['/usr/bin/ipcmk', '-M', '4096'], check=True, capture_output=True)\n"
-            "print(subprocess.run(['/usr/bin/ipcs', '-m'], capture_output=True).stdout.count(b'0x'))")
+            "print(subprocess.run(['/usr/bin/ipcs', '-m'], capture_output=True, text=True).stdout)")
     result = run_python(code, SandboxConfig())
-    assert result.stdout == "1\n", result.observation()
-    assert subprocess.run(["ipcs", "-m"], capture_output=True, text=True).stdout == before
+    made = shared_memory_keys(result.stdout)
+    assert len(made) == 1, result.observation()
+    assert made[0] not in shared_memory_keys(subprocess.run(["ipcs", "-m"], capture_output=True, text=True).stdout)
 
 
 def test_a_call_cannot_reach_the_working_directory_of_another_running_at_once():
@@ -594,7 +616,7 @@ def run_as_nobody(code: str, delegated: bool = True) -> subprocess.CompletedProc
     caller = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
               SandboxConfig().python, "-I", "-c", UNPRIVILEGED_CALLER, str(REPO), code]
     with delegated_cgroups(NOBODY) if delegated else nullcontext([]) as cgroups:
-        moves = [*_join(cgroups)] if cgroups else []
+        moves = join(cgroups, shutil.which("sh")) if cgroups else []
         return subprocess.run([*moves, *caller], cwd="/", capture_output=True, text=True, timeout=30)
 
 
