@@ -581,9 +581,11 @@ def main() -> None:
     tokenizer = load_tokenizer(cfg.model)
     check_tensor_parallel(cfg.engine, cfg.model)
     context = context_length(cfg.model, cfg.engine.max_model_len)
-    if cfg.env.name is not None and cfg.env.max_episode_tokens >= context:
-        raise ForgeError(f"config error: env.max_episode_tokens={cfg.env.max_episode_tokens} leaves no room for a "
-                         f"first message in the engine's {context}-token context (engine.max_model_len)")
+    frame = len(chat_prompt_ids(tokenizer, ""))      # the template's tokens around a first message
+    if cfg.env.name is not None and frame + cfg.env.max_episode_tokens > context:
+        raise ForgeError(f"config error: env.max_episode_tokens={cfg.env.max_episode_tokens} and a first message's "
+                         f"{frame}-token chat frame do not fit the engine's {context}-token context "
+                         "(engine.max_model_len)")
     # single turns: a prompt and its whole completion must fit the engine's context (an episode's cannot be known)
     limit = None if cfg.env.name else context - cfg.sampling.max_tokens
     why = f"the engine's {context}-token context less sampling.max_tokens={cfg.sampling.max_tokens}"

@@ -75,7 +75,7 @@ TOOL_COUNTS = ("tool_errors", "tool_timeouts")          # optional counters of a
 class EnvConfig:
     name: str | None = None                     # "environments.py:Calculator", "my_env.py:Maze"; None = single-turn
     max_turns: PositiveInt = 4                  # model turns per episode
-    max_episode_tokens: PositiveInt = 128       # model + observation tokens after the prompt
+    max_episode_tokens: PositiveInt = 64        # model + observation tokens after the prompt
     max_observation_tokens: PositiveInt = 32    # an observation is cut to this many tokens
     workers: PositiveInt = 16                   # environment steps of one turn that run at once
     timeout_s: PositiveFloat = 60.0             # a reset or step not back this long after it started ends its episode

@@ -21,7 +21,8 @@ def hf_greedy(model_dir, prompts: list[str], max_tokens: int) -> list[str]:
 
 
 def test_batch_greedy_equals_hf_and_chat_answers_each_turn(tiny, three_role_run, tmp_path):
-    """Batch on 2 ranks, an engine each, with the rows dealt between them; chat in one process."""
+    """Batch on 2 ranks, an engine each, with the rows dealt between them, and on one engine split over both
+    (tensor parallel); chat in one process."""
     model = str(three_role_run / "hf")
     greedy = ["--model.path", model, "--sampling.temperature", "0", "--sampling.max_tokens", "8"]
     proc = run_script("generate.py", [*greedy, "--prompts", str(tiny / "data" / "eval.jsonl"), "--limit", "7",
@@ -31,6 +32,10 @@ def test_batch_greedy_equals_hf_and_chat_answers_each_turn(tiny, three_role_run,
     prompts = [r["prompt"] for r in read_rows(str(tiny / "data" / "eval.jsonl"))[:7]]
     assert [r["prompt"] for r in rows] == prompts
     assert [r["completions"][0] for r in rows] == hf_greedy(model, prompts, 8)
+    tp = run_script("generate.py", [*greedy, "--prompts", str(tiny / "data" / "eval.jsonl"), "--limit", "7",
+                                    "--engine.tensor_parallel_size", "2", "--output", str(tmp_path / "tp.jsonl")], nproc=2)
+    assert f"wrote 7 rows to {tmp_path / 'tp.jsonl'} (1 engine)" in tp.stdout, tp.stdout
+    assert [json.loads(line) for line in (tmp_path / "tp.jsonl").read_text().splitlines()] == rows   # one TP engine
 
     chat = run_script("generate.py", greedy, stdin=f"{prompts[0]}\n/reset\n{prompts[1]}\n/exit\n")
     replies = chat.stdout.strip().splitlines()

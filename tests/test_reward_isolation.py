@@ -12,12 +12,13 @@ import sys
 import time
 from contextlib import suppress
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import REPO, grpo_args, read_metrics, run_script
 from forge_core.sandbox import SandboxError
-from forge_core.scoring import FunctionPool
+from forge_core.scoring import FunctionPool, score
 
 REWARDS_PY = str(REPO / "rewards.py")
 
@@ -111,6 +112,16 @@ def test_a_function_whose_every_call_fails_is_reported_once(capsys):
 def test_a_function_named_in_rewards_py_by_name():
     with FunctionPool(["addition_correct"], REWARDS_PY, "rewards.functions", workers=1) as own:
         assert [o.value for o in own.map([(0, ("12", {"answer": 12})), (0, ("13", {"answer": 12}))], 30)] == [1, 0]
+
+
+def test_rewards_weights_weigh_each_function_and_the_terms_stay_unweighted():
+    """`rewards.weights` [1, 0.5]: a completion's reward is 1 x value_of + 0.5 x digit_fraction; the per-function
+    terms (what `reward/<name>` logs) are the functions' own values."""
+    cfg = SimpleNamespace(functions=[spec("value_of"), spec("digit_fraction")], weights=[1.0, 0.5], step_timeout_s=30)
+    with FunctionPool(cfg.functions, REWARDS_PY, "rewards.functions", workers=1) as own:
+        scored = score(["12ab", "7"], [{"i": 3}, {"i": 4}], own, cfg)
+    assert scored["rewards"] == [3 + 0.5 * 0.5, 4 + 0.5 * 1.0]
+    assert scored["terms"] == {"value_of": [3.0, 4.0], "digit_fraction": [0.5, 1.0]}
 
 
 def test_a_worker_that_cannot_start_is_a_clear_error():
