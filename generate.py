@@ -22,10 +22,9 @@ if __name__ == "__main__":
     gc.disable()        # while the imports build what lives as long as the process (dist.freeze_startup_objects)
 
 from forge_core.config import ForgeError, load_config
-from forge_core.data import (chat_prompt_ids, context_length, drop_long_prompts, read_rows, require_fields,
-                             require_text)
+from forge_core.data import chat_prompt_ids, drop_long_prompts, read_rows, require_fields, require_text
 from forge_core.dist import Dist, close_dist, exchange, init_dist, run_main
-from forge_core.engine import EngineConfig, SamplingConfig, build_engine, check_tensor_parallel
+from forge_core.engine import EngineConfig, SamplingConfig, build_engine, check_tensor_parallel, context_length
 from forge_core.model import ModelConfig, load_tokenizer, turn_end
 
 
@@ -73,7 +72,7 @@ def batch_prompts(cfg: GenerateConfig, tokenizer, warn: Callable[[str], None]) -
     require_text(rows, cfg.prompt_field, cfg.prompts, messages=True)
     prompts = [row[cfg.prompt_field] for row in rows]
     conversations = [opening(cfg) + ([{"role": "user", "content": p}] if isinstance(p, str) else p) for p in prompts]
-    context = context_length(cfg.model, cfg.engine.max_model_len)
+    context = context_length(cfg.engine, cfg.model)
     return drop_long_prompts(rows, [chat_prompt_ids(tokenizer, c) for c in conversations], context - 1, cfg.prompts,
                              f"the engine's {context}-token context leaves no room for an answer", warn)
 
@@ -98,7 +97,7 @@ def batch(engine, tokenizer, rows: list[dict], prompts: list[list[int]], cfg: Ge
 def chat(engine, tokenizer, cfg: GenerateConfig, is_rank0: bool) -> None:
     """A read-eval-print loop; rank 0 reads, every engine rank generates (TP engines are collective). A message
     that would make the conversation longer than the engine holds is left out, with a note."""
-    messages, context = opening(cfg), context_length(cfg.model, cfg.engine.max_model_len)
+    messages, context = opening(cfg), context_length(cfg.engine, cfg.model)
     while True:
         line = exchange(_read_line() if is_rank0 else None)[0]
         if line is None or line.strip() == "/exit":

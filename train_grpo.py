@@ -26,11 +26,11 @@ from torch import Tensor
 
 from forge_core.ckpt import CheckpointConfig, Checkpointer, export_path, finished_message, finished_run
 from forge_core.config import ForgeError, config_to_dict, load_config
-from forge_core.data import chat_prompt_ids, context_length, prompt_rows, sample_indices
+from forge_core.data import chat_prompt_ids, prompt_rows, sample_indices
 from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, init_roles, release, role_ranks,
                               run_main, set_phase, wait_idle)
 from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check_kv_cache, check_tensor_parallel,
-                               engine_dtype, engine_group, generate, join_engine_groups)
+                               context_length, engine_dtype, engine_group, generate, join_engine_groups)
 from forge_core.env import EnvConfig, load_env, run_episodes, stop_strings
 from forge_core.exchange import receive_scores, send_rollout, serve
 from forge_core.logprobs import chosen_logprobs
@@ -580,7 +580,7 @@ def main() -> None:
     load_env(cfg.env, ENVIRONMENTS_PY)                # before any work
     tokenizer = load_tokenizer(cfg.model)
     check_tensor_parallel(cfg.engine, cfg.model)
-    context = context_length(cfg.model, cfg.engine.max_model_len)
+    context = context_length(cfg.engine, cfg.model)
     frame = len(chat_prompt_ids(tokenizer, ""))      # the template's tokens around a first message
     if cfg.env.name is not None and frame + cfg.env.max_episode_tokens > context:
         raise ForgeError(f"config error: env.max_episode_tokens={cfg.env.max_episode_tokens} and a first message's "

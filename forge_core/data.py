@@ -12,9 +12,8 @@ import torch
 from pydantic import PositiveInt
 
 from .config import ForgeError
-from .model import ModelConfig
 
-__all__ = ["DataConfig", "read_rows", "require_fields", "require_text", "chat_prompt_ids", "context_length",
+__all__ = ["DataConfig", "read_rows", "require_fields", "require_text", "chat_prompt_ids",
            "drop_long_prompts", "fitting_prompts", "encode_sft", "sample_indices", "micro_batches", "collate_sft",
            "prompt_rows", "IGNORE"]
 
@@ -140,15 +139,6 @@ def chat_prompt_ids(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
-
-
-def context_length(model: ModelConfig, max_model_len: int | None) -> int:
-    """The tokens a sequence may hold in a vLLM engine of this model: `engine.max_model_len`, or else the model's
-    max_position_embeddings (vLLM's default)."""
-    if max_model_len is not None:
-        return max_model_len
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code).max_position_embeddings
 
 
 def drop_long_prompts(rows: list[dict], prompt_ids: list[list[int]], limit: int, source: str, why: str,

@@ -23,7 +23,7 @@ from .rollout import Rollout, pad_left, pad_right
 __all__ = ["EngineConfig", "SamplingConfig", "build_engine", "engine_group", "cpu_engine_setup",
            "eager_everywhere", "inverse_cdf_sampling", "join_engine_groups", "check_kv_cache", "check_tensor_parallel",
            "engine_dtype", "norm_kernels", "generate", "seeded_draws", "sampling_params", "sampled_logprobs",
-           "max_model_len"]
+           "max_model_len", "context_length"]
 
 Share = Annotated[float, Interval(gt=0, le=1)]
 
@@ -203,6 +203,15 @@ def check_tensor_parallel(cfg: EngineConfig, model: ModelConfig) -> None:
     if heads % tp or (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
         raise ForgeError(f"config error: engine.tensor_parallel_size={tp} does not split the {heads} attention "
                          f"heads ({kv_heads} key/value heads) of model.path '{model.path}' evenly between its ranks")
+
+
+def context_length(cfg: EngineConfig, model: ModelConfig) -> int:
+    """The tokens a sequence may hold in an engine of this model, known before it starts: `engine.max_model_len`,
+    or else the model's max_position_embeddings (vLLM's default)."""
+    if cfg.max_model_len is not None:
+        return cfg.max_model_len
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code).max_position_embeddings
 
 
 def engine_dtype(setting: str, on_gpu: bool) -> str:

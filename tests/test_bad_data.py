@@ -11,9 +11,9 @@ import pytest
 
 from conftest import assert_clean_error, grpo_args, run_script, tiny_sft_args
 from forge_core.config import ForgeError
-from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, context_length, drop_long_prompts, read_rows,
-                             require_fields, require_text)
-from forge_core.engine import EngineConfig
+from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, drop_long_prompts, read_rows, require_fields,
+                             require_text)
+from forge_core.engine import EngineConfig, context_length
 from forge_core.model import ModelConfig, load_tokenizer
 from generate import GenerateConfig, batch_prompts
 from train_sft import load_examples
@@ -79,7 +79,8 @@ def test_drop_long_prompts_keeps_the_order_and_names_the_first():
 
 def test_context_is_the_engines_or_the_models(tiny):
     model = ModelConfig(path=str(tiny / "init"))
-    assert (context_length(model, None), context_length(model, 32)) == (128, 32)   # build_tiny: 128 positions
+    assert context_length(EngineConfig(), model) == 128                # build_tiny: 128 positions
+    assert context_length(EngineConfig(max_model_len=32), model) == 32
 
 
 # ---- train_sft.py ----
