@@ -39,7 +39,8 @@ from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, export_hf, l
                               load_tokenizer, set_gradient_sync, shard, turn_end)
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
 from forge_core.rollout import Rollout, balanced_share, engine_share, shared_prompt_rows
-from forge_core.scoring import accuracy_scorer, function_names, load_reward_functions, reward_pool, score
+from forge_core.scoring import (RewardModel, accuracy_scorer, function_names, load_reward_functions, reward_pool,
+                                score)
 from forge_core.sync import WeightSync
 
 # where a bare name in rewards.functions or env.name is found: this script's neighbours
@@ -240,7 +241,8 @@ def token_logprobs(model, part: Rollout, temperature: float, with_entropy: bool 
 def reward_answerer(cfg: GRPOConfig, roles: Roles, tokenizer, rows: list[dict]) -> Callable[[dict], dict]:
     """Reward ranks score their share of all sequences (i % R) with the reward functions (+ reward model)."""
     pool = reward_pool(cfg.rewards, REWARDS_PY)
-    reward_model = RewardModel(cfg, roles) if cfg.rewards.model_path else None
+    reward_model = (RewardModel(cfg.rewards.model_path, cfg.model.trust_remote_code, roles.dist.device)
+                    if cfg.rewards.model_path else None)
     me, R = roles.reward_ranks.index(roles.rank), len(roles.reward_ranks)
 
     def answer(batch: dict) -> dict:
@@ -270,21 +272,6 @@ def reference_answerer(cfg: GRPOConfig, roles: Roles) -> Callable[[dict], dict]:
         keep = [k for k, i in enumerate(mine) if i == me * per_rank + k]
         return {"index": [mine[k] for k in keep], "ref_logprobs": logprobs[keep].cpu()}
     return answer
-
-
-class RewardModel:
-    """An HF sequence-classification model: the score of (prompt, completion) is its first logit."""
-
-    def __init__(self, cfg: GRPOConfig, roles: Roles):
-        from transformers import AutoModelForSequenceClassification
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            cfg.rewards.model_path, trust_remote_code=cfg.model.trust_remote_code).to(roles.dist.device).eval()
-
-    @torch.no_grad()
-    def __call__(self, batch: dict, index: list[int]) -> list[float]:
-        ids = torch.cat([batch["prompt_ids"][index], batch["completion_ids"][index]], 1)
-        mask = torch.cat([batch["prompt_mask"][index], batch["completion_mask"][index]], 1)
-        return self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()
 
 
 def micro_batched_logprobs(model, part: Rollout, micro: int, temperature: float) -> Tensor:

@@ -36,8 +36,8 @@ from .config import ForgeError, import_symbol
 from .processes import become_subreaper, kill_descendants, reap_children
 from .sandbox import SandboxError, exit_status
 
-__all__ = ["FunctionPool", "Outcome", "function_names", "load_reward_functions", "reward_pool", "score",
-           "accuracy_scorer"]
+__all__ = ["FunctionPool", "Outcome", "RewardModel", "function_names", "load_reward_functions", "reward_pool",
+           "score", "accuracy_scorer"]
 
 _PR_SET_PDEATHSIG = 1                   # prctl(2): the signal this process gets when its parent thread ends
 _KEY = "rewards.functions"              # what an error names
@@ -87,6 +87,23 @@ def accuracy_scorer(pool: "FunctionPool", cfg, name: str) -> Callable[[list[str]
     f = function_names(cfg).index(name)
     return lambda texts, rows: [o.value for o in pool.map([(f, (t, r)) for t, r in zip(texts, rows)],
                                                           cfg.step_timeout_s)]
+
+
+class RewardModel:
+    """An HF sequence-classification model (`rewards.model_path`): the score of (prompt, completion) is its
+    first logit."""
+
+    def __init__(self, path: str, trust_remote_code: bool, device):
+        from transformers import AutoModelForSequenceClassification
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, trust_remote_code=trust_remote_code).to(device).eval()
+
+    def __call__(self, batch: dict, index: list[int]) -> list[float]:
+        import torch            # not at the top: reward workers import this module, and need no torch
+        ids = torch.cat([batch["prompt_ids"][index], batch["completion_ids"][index]], 1)
+        mask = torch.cat([batch["prompt_mask"][index], batch["completion_mask"][index]], 1)
+        with torch.no_grad():
+            return self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()
 
 
 # ---- the pool ----
