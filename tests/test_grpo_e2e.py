@@ -167,8 +167,9 @@ def test_replicated_policy_ranks_equal_sharded_ones_and_resume(tiny, tmp_path, p
 
 def test_stale_engines_resume_as_the_straight_run_and_held_out_figures_are_of_the_exported_weights(tiny, tmp_path):
     """`sync_every 4` with `one_step_off` and two mini-batches, 3 roles: a run stopped at its step-3 checkpoint and
-    resumed logs the straight run's curve (its engine restarts with the weights the straight run's engine then
-    had, and the rollout in flight at the checkpoint is the one it kept, not one sampled again by newer weights);
+    resumed, and a run resumed from the straight run's own step-3 checkpoint, log the straight run's curve (the
+    engine restarts with the weights the straight run's engine then had, and the rollout in flight at the
+    checkpoint is the one it kept, not one sampled again by newer weights);
     the final held-out figure (step 6, between syncs) is that of the exported weights: generate.py's greedy
     completions of the same rows, scored by the same function. Every step exported too (ckpt.export_every)."""
     from rewards_for_tests import digit_fraction
@@ -178,8 +179,11 @@ def test_stale_engines_resume_as_the_straight_run_and_held_out_figures_are_of_th
     resumed = grpo_args(tiny, tmp_path / "resumed", *common)
     run_script("train_grpo.py", [*resumed, "--train.stop_at_step", "3"], nproc=3)
     run_script("train_grpo.py", resumed, nproc=3)
+    run_script("train_grpo.py", grpo_args(tiny, tmp_path / "from_straight", *common, "--ckpt.resume",
+                                          str(tmp_path / "straight" / "checkpoints" / "step_000003")), nproc=3)
     straight = read_metrics(tmp_path / "straight")
-    assert_same_curve(read_metrics(tmp_path / "resumed"), straight, range(4, 7))
+    for resumed in ("resumed", "from_straight"):
+        assert_same_curve(read_metrics(tmp_path / resumed), straight, range(4, 7))
     assert [p.name for p in sorted((tmp_path / "straight").glob("hf_step_*"))] == ["hf_step_000003", "hf_step_000006"]
 
     out = tmp_path / "greedy.jsonl"
