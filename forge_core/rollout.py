@@ -20,7 +20,7 @@ class Rollout:
     completion_ids: Tensor              # [B*G, C] right-padded to the longest completion (<= max_tokens)
     completion_mask: Tensor             # [B*G, C] 1 = generated token
     sampler_logprobs: Tensor            # [B*G, C] vLLM's logprobs of the sampled tokens
-    truncated: Tensor                   # [B*G] bool: hit max_tokens without EOS
+    truncated: Tensor                   # [B*G] bool: hit max_tokens before its end of turn
     row_ids: list[int]                  # [B*G] data set row of each sequence
     rewards: Tensor | None = None       # [B*G]
     reward_terms: dict[str, Tensor] = field(default_factory=dict)   # function name -> [B*G] unweighted
