@@ -62,7 +62,7 @@ from .config import ForgeError, import_symbol
 from .data import chat_prompt_ids
 from .engine import SamplingConfig, max_model_len, sampled_logprobs, sampling_params, seeded_draws
 from .model import turn_end
-from .processes import become_subreaper, descendants, end_descendants_but
+from .processes import descendants, end_descendants_but, subreaping
 from .rollout import Rollout, pad_left, pad_right
 
 __all__ = ["EnvConfig", "END_REASONS", "load_env", "stop_strings", "run_episodes"]
@@ -121,12 +121,17 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
     after the first prompt; `episode` holds per-episode statistics (return, turns, tool calls, end reason).
     `group`: the ranks of a tensor-parallel engine, all calling this with the same rows and seed; the
     environments run on the first of them, which sends their answers to the others."""
+    with subreaping():      # a daemon an environment starts comes to this rank, where `_calls` ends it
+        return _play(engine, tokenizer, env_class, rows, row_ids, sampling, cfg, seed, greedy, group)
+
+
+def _play(engine, tokenizer, env_class, rows: list[dict], row_ids: list[int], sampling: SamplingConfig,
+          cfg: EnvConfig, seed: int, greedy: bool, group: dist.ProcessGroup | None) -> Rollout:
     G = 1 if greedy else sampling.num_generations
     stops = stop_strings(env_class)
     episodes = [_Episode(env_class(), []) for _ in rows for _ in range(G)]
     expanded_rows = [row for row in rows for _ in range(G)]
     tool_seconds = 0.0
-    become_subreaper()                  # a daemon an environment starts stays below this rank, where it is found
     spared = frozenset(descendants(os.getpid()))        # what ran before the episodes (reward workers)
     firsts = _on_first(group, lambda: _calls(_reset, episodes, expanded_rows, cfg, spared))
     if all(first is None for first in firsts):

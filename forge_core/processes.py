@@ -6,15 +6,28 @@ that left its session with setsid(), comes to the nearest subreaper above it ins
 import ctypes
 import os
 import signal
-from contextlib import suppress
+import time
+from contextlib import contextmanager, suppress
 
-__all__ = ["become_subreaper", "descendants", "kill_descendants", "reap_children", "end_descendants_but"]
+__all__ = ["become_subreaper", "subreaping", "descendants", "kill_descendants", "reap_children",
+           "end_descendants_but"]
 
 _PR_SET_CHILD_SUBREAPER = 36            # prctl(2): orphans below this process come to it, not to init
 
 
 def become_subreaper() -> None:
     ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+@contextmanager
+def subreaping():
+    """A subreaper while inside only: orphans that come to this process later would stay its zombies, as no one
+    here waits for them."""
+    become_subreaper()
+    try:
+        yield
+    finally:
+        ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 0)
 
 
 def kill_descendants(pid: int, spared: frozenset[int] = frozenset()) -> None:
@@ -56,10 +69,15 @@ def end_descendants_but(spared: frozenset[int]) -> None:
     those: a child that another thread started and waits for is not taken from it)."""
     me = os.getpid()
     kill_descendants(me, spared)
-    for pid in _children(me):
-        if pid not in spared:
+    killed = [pid for pid in _children(me) if pid not in spared]
+    deadline = time.monotonic() + 1.0           # SIGKILL takes a moment to leave a zombie
+    while killed and time.monotonic() < deadline:
+        for pid in list(killed):
             with suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
+                if not os.waitpid(pid, os.WNOHANG)[0]:
+                    continue
+            killed.remove(pid)
+        time.sleep(0.01 if killed else 0)
 
 
 def reap_children() -> None:
