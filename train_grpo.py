@@ -35,13 +35,15 @@ from forge_core.env import EnvConfig, load_env, run_episodes, stop_strings
 from forge_core.exchange import receive_scores, send_rollout, serve
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics, rollout_metrics
-from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, export_hf, linear_kernel, load_model,
-                              load_tokenizer, set_gradient_sync, shard, turn_end)
+from forge_core.lora import base_model, has_adapter
+from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, linear_kernel, load_tokenizer, set_gradient_sync,
+                              turn_end)
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
 from forge_core.rollout import Rollout, balanced_share, engine_share, shared_prompt_rows
 from forge_core.scoring import (RewardModel, accuracy_scorer, function_names, load_reward_functions, reward_pool,
                                 score)
 from forge_core.sync import WeightSync
+from forge_core.weights import build_model, export_hf
 
 # where a bare name in rewards.functions or env.name is found: this script's neighbours
 REWARDS_PY, ENVIRONMENTS_PY = (str(Path(__file__).with_name(name)) for name in ("rewards.py", "environments.py"))
@@ -258,7 +260,7 @@ def reward_answerer(cfg: GRPOConfig, roles: Roles, tokenizer, rows: list[dict]) 
 def reference_answerer(cfg: GRPOConfig, roles: Roles) -> Callable[[dict], dict]:
     """Reference ranks: the frozen initial policy (FSDP over the reference group) scores its chunk of all
     sequences; chunks are padded to equal length so every rank runs the same number of forwards."""
-    model = shard(load_model(cfg.model), roles.reference_mesh, cfg.fsdp).eval()
+    model = build_model(cfg.model, roles.reference_mesh, cfg.fsdp).eval()
     me, R = roles.reference_ranks.index(roles.rank), len(roles.reference_ranks)
 
     def answer(batch: dict) -> dict:
@@ -298,6 +300,9 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
     else:
         first = token_logprobs(policy, rollout.select(slice(0, micro)), cfg.sampling.temperature, with_entropy=True)
     collect_scores(rollout)
+    if cfg.loss.beta > 0 and has_adapter(policy):     # LoRA: the reference policy is the base, its adapter off
+        with torch.no_grad(), base_model(policy):
+            rollout.ref_logprobs = micro_batched_logprobs(policy, rollout, micro, cfg.sampling.temperature)
     rollout = rollout.to(policy.device)      # a GPU trainer's: the rollout and its scores came on CPU
     sums = {"clipped": 0.0, "kl": 0.0, "entropy": 0.0, "tokens": 0.0, "grad_norm": 0.0, "gap": 0.0}
     for _ in range(cfg.loss.num_iterations):
@@ -465,7 +470,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
     def collect_scores(rollout: Rollout) -> None:
         """Exchange 2: the rollout's rewards (and reference logprobs) come in; then its group advantages."""
         t = time.perf_counter()
-        receive_scores(rollout, roles, local_rewards, cfg.loss.beta > 0)
+        receive_scores(rollout, roles, local_rewards, cfg.loss.beta > 0 and not cfg.model.lora.rank)
         attach_advantages(rollout, cfg.loss, G, roles.groups["policy"])
         rollout.seconds["score"] += time.perf_counter() - t
 
@@ -508,12 +513,13 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
             ckpt.save_due(done, policy, optim, {"scheduler": sched.state_dict(), "config": config_to_dict(cfg)},
                           rank_state={"in_flight": None if in_flight is None else vars(in_flight)})
         if cfg.ckpt.export_every and done % cfg.ckpt.export_every == 0:
-            export_hf(policy, tokenizer, Path(cfg.out_dir) / f"hf_step_{done:06d}", roles.groups["policy"])
+            export_hf(policy, tokenizer, Path(cfg.out_dir) / f"hf_step_{done:06d}", roles.groups["policy"],
+                      adapter=cfg.model.lora.save_adapter)
         last_step_end = step_end
     set_phase("export")
     if steps.stop == cfg.train.steps:
         export_dir = export_path(cfg.out_dir, cfg.export_dir)
-        export_hf(policy, tokenizer, export_dir, roles.groups["policy"])
+        export_hf(policy, tokenizer, export_dir, roles.groups["policy"], adapter=cfg.model.lora.save_adapter)
         log.print(f"exported {export_dir}")
     log.print(describe_accuracy(start_accuracy, accuracy_now, cfg, steps, len(eval_rows), tools))
     log.print(f"summary: {steps.stop - steps.start} GRPO steps in {time.perf_counter() - started:.0f} s took greedy "
@@ -535,7 +541,10 @@ def check_config(cfg: GRPOConfig, world_size: int, ranks_per_node: int) -> None:
     if per_rank % cfg.train.mini_batches:
         raise ForgeError(f"config error: {per_rank} sequences per policy rank do not split into "
                          f"train.mini_batches={cfg.train.mini_batches}")
-    if cfg.loss.beta > 0 and not reference:
+    if cfg.model.lora.rank and reference:
+        raise ForgeError(f"config error: model.lora.rank={cfg.model.lora.rank}: the reference policy is the policy's "
+                         f"own base (its adapter off), so layout.reference must be 0, not {len(reference)}")
+    if cfg.loss.beta > 0 and not reference and not cfg.model.lora.rank:
         raise ForgeError(f"config error: loss.beta={cfg.loss.beta} needs layout.reference >= 1")
     if P % tp:
         raise ForgeError(f"config error: layout.policy={P} is not a multiple of engine.tensor_parallel_size={tp}")
@@ -561,7 +570,7 @@ def check_config(cfg: GRPOConfig, world_size: int, ranks_per_node: int) -> None:
 
 def main() -> None:
     cfg = load_config(GRPOConfig)
-    roles = init_roles(cfg.layout, cfg.dist, reference_scores=cfg.loss.beta > 0)   # every rank builds every group
+    roles = init_roles(cfg.layout, cfg.dist, reference_scores=cfg.loss.beta > 0 and not cfg.model.lora.rank)   # every rank builds every group
     check_config(cfg, roles.dist.world_size, roles.dist.ranks_per_node)
     load_reward_functions(cfg.rewards, REWARDS_PY)    # a typo in a reward or env name fails here, on every rank
     load_env(cfg.env, ENVIRONMENTS_PY)                # before any work
@@ -599,7 +608,7 @@ def main() -> None:
         close_dist()
         return
     if roles.is_policy:
-        policy = shard(load_model(cfg.model), roles.policy_mesh, cfg.fsdp)
+        policy = build_model(cfg.model, roles.policy_mesh, cfg.fsdp, cfg.train.seed)
         optim, sched = build_optimizer(policy, cfg.optim, cfg.train.steps)
         if path is not None:
             meta = ckpt.load(path, policy, optim, cfg.train.steps)

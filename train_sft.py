@@ -25,9 +25,10 @@ from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, e
 from forge_core.dist import Dist, DistConfig, close_dist, freeze_startup_objects, init_dist, run_main, set_phase
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
-from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, export_hf, linear_kernel, load_model,
-                              load_tokenizer, set_gradient_sync, shard, turn_end)
+from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, linear_kernel, load_tokenizer, set_gradient_sync,
+                              turn_end)
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
+from forge_core.weights import build_model, export_hf
 
 
 @dataclass
@@ -197,7 +198,7 @@ def main() -> None:
     tokenizer = load_tokenizer(cfg.model)
     examples, eval_rows, cuts = load_examples(cfg.data, tokenizer)
     torch.manual_seed(cfg.train.seed)
-    model = shard(load_model(cfg.model), d.mesh, cfg.fsdp)
+    model = build_model(cfg.model, d.mesh, cfg.fsdp, cfg.train.seed)
     optim, sched = build_optimizer(model, cfg.optim, cfg.train.steps)
     start_step = 0
     if path is not None:
@@ -246,10 +247,10 @@ def main() -> None:
         set_phase("checkpoint")
         ckpt.maybe_save(done, end_step, model, optim, meta)
         if cfg.ckpt.export_every and done % cfg.ckpt.export_every == 0:
-            export_hf(model, tokenizer, Path(cfg.out_dir) / f"hf_step_{done:06d}")
+            export_hf(model, tokenizer, Path(cfg.out_dir) / f"hf_step_{done:06d}", adapter=cfg.model.lora.save_adapter)
     set_phase("export")
     if end_step == cfg.train.steps:
-        export_hf(model, tokenizer, export_dir)
+        export_hf(model, tokenizer, export_dir, adapter=cfg.model.lora.save_adapter)
         log.print(f"exported {export_dir}")
     log.close()
     close_dist()

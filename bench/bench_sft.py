@@ -89,12 +89,12 @@ def hf_worker(cfg: BenchConfig) -> None:
     import time
 
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     sys.path.insert(0, str(REPO))      # train_sft.py is a script at the repo root, not a package module
     from forge_core.config import load_config
     from forge_core.data import collate_sft, sample_indices
-    from forge_core.model import load_model, load_tokenizer
+    from forge_core.model import load_tokenizer
     from forge_core.optim import build_optimizer
     from train_sft import SFTConfig, load_examples
 
@@ -119,7 +119,7 @@ def hf_worker(cfg: BenchConfig) -> None:
             self.ends.append(time.perf_counter())
 
     torch.manual_seed(sft.train.seed)
-    model = load_model(sft.model)
+    model = AutoModelForCausalLM.from_pretrained(sft.model.path, dtype=torch.float32)
     optim, sched = build_optimizer(model, sft.optim, cfg.steps)
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="bench_hf_"), max_steps=cfg.steps,

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from .config import ForgeError
 
@@ -125,10 +125,11 @@ class Checkpointer:
         if train_steps is not None and meta["step"] > train_steps:
             raise ForgeError(f"config error: train.steps={train_steps} ends before the step-{meta['step']} checkpoint "
                              f"it would resume from ({path}): raise train.steps, or use another out_dir")
-        model_sd, optim_sd = get_state_dict(model, optim)
+        model_sd, optim_sd = get_state_dict(model, optim, options=_TRAINED_ONLY)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path), process_group=self.group)
-        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_TRAINED_ONLY)
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():    # a run restarted with another world size keeps its fresh RNG
             _set_rng_state(torch.load(rng_file, weights_only=True))
@@ -140,7 +141,7 @@ class Checkpointer:
         return torch.load(file, weights_only=True) if file.is_file() else None
 
     def _write_state(self, tmp: Path, step: int, model, optim, meta: dict[str, Any], rank_state: dict | None) -> None:
-        model_sd, optim_sd = get_state_dict(model, optim)
+        model_sd, optim_sd = get_state_dict(model, optim, options=_TRAINED_ONLY)
         writer = _Writer(tmp)
         try:
             dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer, process_group=self.group)
@@ -196,6 +197,10 @@ class Checkpointer:
         out = [None] * self.group_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+# a LoRA run's frozen base weights are read again from model.path; a checkpoint holds what trains
+_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
 
 
 def first_on_any_rank(message: str | None, group: dist.ProcessGroup | None) -> str | None:

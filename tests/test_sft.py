@@ -16,10 +16,13 @@ SHORT = ["--train.steps", "6", "--train.batch_size", "8", "--train.micro_batch_s
 
 def test_two_rank_fsdp_matches_one_process(tiny, tmp_path):
     """Two ranks, sharded (`--fsdp.shard`: FSDP) or replicated (DDP, what the tiny config says), learn as one
-    process does."""
+    process does; so do sharded ranks that keep their parameters, gradients, Adam's state (CPUOffloadPolicy) and
+    activations (save_on_cpu) in host memory."""
     run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "one", *SHORT), nproc=1)
     # the sharded run also checkpoints activations: it must change memory, not numbers
-    for name, extra in (("sharded", ("--fsdp.shard", "--fsdp.activation_checkpointing")), ("replicated", ())):
+    offloaded = ("--fsdp.shard", "--fsdp.cpu_offload", "--fsdp.activation_offload")
+    for name, extra in (("sharded", ("--fsdp.shard", "--fsdp.activation_checkpointing")), ("replicated", ()),
+                        ("offloaded", offloaded)):
         run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / name, *SHORT, *extra), nproc=2)
         one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / name)
         for step in range(1, 7):

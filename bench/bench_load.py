@@ -1,0 +1,111 @@
+"""Host memory of loading a model onto 2 FSDP ranks, two ways: `forge_core.weights.build_model` (the meta device,
+sharded, each rank reading only its own slices of the safetensors files) and a full load (every rank builds the
+whole model in fp32 with `from_pretrained`, then shards it: what the scripts did before).
+
+    python bench/bench_load.py                     # SmolLM2-135M and a random Qwen3-1.7B-shaped model; ~4 min
+    python bench/bench_load.py --models smollm2
+
+Each way runs in fresh processes (torchrun, 2 ranks, gloo); a rank reports its peak RSS (ru_maxrss, which counts
+the safetensors pages it mapped) and its RSS after imports, before any weight. The Qwen3-1.7B-shaped model
+(random weights in bf16, as the hub's checkpoint is stored: 28 layers, hidden 2048, vocabulary 151,936, tied
+embeddings) is built once into artifacts/bench/qwen3-1.7b-shape (3.4 GB). A rank's fp32 shard is a half of the
+model's fp32 bytes.
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import tyro
+
+REPO = Path(__file__).resolve().parents[1]
+QWEN3_SHAPE = REPO / "artifacts" / "bench" / "qwen3-1.7b-shape"
+SMOLLM2 = REPO / "artifacts" / "smollm2-135m"
+
+
+@dataclass
+class LoadBench:
+    models: list[Literal["smollm2", "qwen3-1.7b"]] = field(default_factory=lambda: ["smollm2", "qwen3-1.7b"])
+    worker: Literal["", "sharded", "full"] = ""       # internal: one way on this torchrun rank
+    path: str = ""
+    out: str = ""
+
+
+def _rss_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def worker(cfg: LoadBench) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from forge_core.model import FSDPConfig, ModelConfig, shard
+    from forge_core.weights import build_model
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    before = _rss_mib()
+    if cfg.worker == "sharded":
+        model = build_model(ModelConfig(path=cfg.path), mesh, FSDPConfig())
+    else:
+        model = shard(AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32), mesh, FSDPConfig())
+    local = sum(p.to_local().numel() * 4 for p in model.parameters()) / 2 ** 20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    results = [None] * dist.get_world_size()
+    dist.all_gather_object(results, {"before": before, "peak": peak, "shard": local})
+    if dist.get_rank() == 0:
+        Path(cfg.out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def build_qwen3_shape() -> None:
+    """Qwen3-1.7B's config (hub: Qwen/Qwen3-1.7B) with random bf16 weights, written once."""
+    if (QWEN3_SHAPE / "model.safetensors.index.json").is_file() or (QWEN3_SHAPE / "model.safetensors").is_file():
+        return
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    config = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    print("building a random Qwen3-1.7B-shaped model (bf16) ...", flush=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(QWEN3_SHAPE)
+
+
+def run_way(way: str, path: Path) -> list[dict]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        __file__, "--worker", way, "--path", str(path), "--out", out.name], check=True, cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return json.loads(Path(out.name).read_text())
+
+
+def main(cfg: LoadBench) -> None:
+    paths = {"smollm2": SMOLLM2, "qwen3-1.7b": QWEN3_SHAPE}
+    if "smollm2" in cfg.models and not (SMOLLM2 / "config.json").is_file():
+        subprocess.run([sys.executable, "tools/convert_smollm2.py", "--out", str(SMOLLM2)], check=True, cwd=REPO)
+    if "qwen3-1.7b" in cfg.models:
+        build_qwen3_shape()
+    lines = []
+    for name in cfg.models:
+        runs = {way: run_way(way, paths[name]) for way in ("sharded", "full")}
+        peak = {way: max(r["peak"] for r in ranks) for way, ranks in runs.items()}
+        start = max(r["before"] for r in runs["sharded"])
+        shard = runs["sharded"][0]["shard"]
+        print(f"{name}: rank 0's fp32 shard {shard:.0f} MiB, a rank at start {start:.0f} MiB; above start: "
+              f"sharded {peak['sharded'] - start:.0f} MiB, full {peak['full'] - start:.0f} MiB", flush=True)
+        lines.append(f"{name}: peak RSS per rank: sharded {peak['sharded']:.0f} MiB, full {peak['full']:.0f} MiB")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    args = tyro.cli(LoadBench)
+    worker(args) if args.worker else main(args)
