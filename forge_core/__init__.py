@@ -5,7 +5,9 @@ down into these modules, one concern each:
     dist      ranks and roles: process groups, meshes, exchanges of Python objects, phases, run_main
     data      rows in (JSONL, Parquet, `datasets`), checked; chat formatting, SFT encoding, packing, sampling
     tasks     the synthetic tasks the tiny jobs learn (addition, multiplication, a guessing game)
-    model     loading HF models and tokenizers, the template's end of turn, FSDP2 sharding, HF export
+    model     HF tokenizers and model directories, the template's end of turn, FSDP2 sharding (and offload)
+    weights   a model built on the meta device and filled by each rank's own slices; streaming HF export
+    lora      LoRA adapters (peft): added before sharding, trained alone, merged on the way out
     optim     AdamW and its schedule; a step that skips non-finite gradients
     logprobs  chosen-token logprobs (and entropy) from logits, a few rows at a time
     rollout   the Rollout batch and its layouts: padding, the deal of groups over ranks, shared prompts

@@ -125,11 +125,11 @@ class Checkpointer:
         if train_steps is not None and meta["step"] > train_steps:
             raise ForgeError(f"config error: train.steps={train_steps} ends before the step-{meta['step']} checkpoint "
                              f"it would resume from ({path}): raise train.steps, or use another out_dir")
-        model_sd, optim_sd = get_state_dict(model, optim, options=_TRAINED_ONLY)
+        model_sd, optim_sd = _trained_state(model, optim)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path), process_group=self.group)
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_TRAINED_ONLY)
+                       options=StateDictOptions(ignore_frozen_params=True, strict=False))   # frozen: not saved
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():    # a run restarted with another world size keeps its fresh RNG
             _set_rng_state(torch.load(rng_file, weights_only=True))
@@ -141,7 +141,7 @@ class Checkpointer:
         return torch.load(file, weights_only=True) if file.is_file() else None
 
     def _write_state(self, tmp: Path, step: int, model, optim, meta: dict[str, Any], rank_state: dict | None) -> None:
-        model_sd, optim_sd = get_state_dict(model, optim, options=_TRAINED_ONLY)
+        model_sd, optim_sd = _trained_state(model, optim)
         writer = _Writer(tmp)
         try:
             dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer, process_group=self.group)
@@ -201,6 +201,14 @@ class Checkpointer:
 
 # a LoRA run's frozen base weights are read again from model.path; a checkpoint holds what trains
 _TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+
+
+def _trained_state(model, optim) -> tuple[dict, dict]:
+    """The model's and optimizer's state dicts, frozen tensors left out (torch keeps a frozen tied head's second
+    name: a LoRA checkpoint of a tied model would hold the embedding again)."""
+    model_sd, optim_sd = get_state_dict(model, optim, options=_TRAINED_ONLY)
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
 
 
 def first_on_any_rank(message: str | None, group: dist.ProcessGroup | None) -> str | None:

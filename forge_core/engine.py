@@ -52,16 +52,17 @@ class SamplingConfig:
     top_k: int = -1
 
 
-def build_engine(model_path: str, cfg: EngineConfig, seed: int, roles: Roles | None = None):
+def build_engine(model_path: str, cfg: EngineConfig, seed: int, roles: Roles | None = None,
+                 vllm_args: dict | None = None):
     """One vLLM engine per group of `tensor_parallel_size` ranks, in this process. Collective: every rank
     of the world must reach this line; with `roles`, the ranks without an engine (reference, reward) call
-    `join_engine_groups` instead."""
+    `join_engine_groups` instead. `vllm_args`: more of `LLM`'s arguments (bench/bench_lora.py: its LoRA)."""
     from vllm import LLM
     freeze_startup_objects()
     if not torch.cuda.is_available():
         cpu_engine_setup(cfg.enforce_eager)
     with cpu_shared_memory(), published_for_ranks_without_engine(roles):
-        return LLM(**_engine_kwargs(model_path, cfg, seed))
+        return LLM(**_engine_kwargs(model_path, cfg, seed) | (vllm_args or {}))
 
 
 @contextlib.contextmanager

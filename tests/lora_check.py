@@ -68,7 +68,8 @@ def main(model_dir: str, out_dir: str) -> None:
     merged = dict(hf_tensors(policy, with_tied_head=False))
     base = {hf_name(n): getattr(t, "full_tensor", lambda: t)() for n, t in policy.state_dict().items()
             if ".lora_" not in n}
-    result = {"trained": len(trained), "trained_not_adapter": [n for n in trained if ".lora_" not in n], "weight_gaps": weight_gaps, "logprob_gaps": logprob_gaps,
+    result = {"trained": len(trained), "trained_not_adapter": [n for n in trained if ".lora_" not in n],
+              "weight_gaps": weight_gaps, "logprob_gaps": logprob_gaps, "adapted_gaps": adapted_gaps,
               "reference_gap": (reference - untrained)[mask].abs().max().item(),
               "adapted_gap": (reference - trainer)[mask].abs().max().item(),
               "base_unchanged": all(torch.equal(base[n], file[n]) for n in file),

@@ -11,12 +11,12 @@ from conftest import (HELD_OUT_ACCURACY, assert_clean_error, assert_same_curve, 
                       run_script, tiny_sft_args)
 
 
-def test_engine_computes_with_the_merged_adapter_after_every_sync(addition_sft, tmp_path):
+def test_engine_computes_with_the_merged_adapter_after_every_sync(tiny, tmp_path):
     """2 FSDP ranks, adapters on every linear layer, 3 optimizer steps each followed by a sync: the engine's
     weights equal W + scale * B @ A of the gathered model, its logprobs those of an HF model holding the merged
     weights (1e-5) and, to rounding, the adapted trainer's; the base weights and the reference policy (the adapter
     switched off) are the file's."""
-    run_script("tests/lora_check.py", [str(addition_sft / "sft" / "hf"), str(tmp_path)], nproc=2)
+    run_script("tests/lora_check.py", [str(tiny / "init"), str(tmp_path)], nproc=2)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["trained"] == 2 * 7 * 4 and result["trained_not_adapter"] == []
