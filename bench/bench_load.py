@@ -6,7 +6,8 @@ whole model in fp32 with `from_pretrained`, then shards it: what the scripts did
     python bench/bench_load.py --models smollm2
 
 Each way runs in fresh processes (torchrun, 2 ranks, gloo); a rank reports its peak RSS (ru_maxrss, which counts
-the safetensors pages it mapped) and its RSS after imports, before any weight. The Qwen3-1.7B-shaped model
+the safetensors pages it mapped: clean page cache the kernel can drop), its peak anonymous memory (RssAnon, sampled
+every 5 ms: what is its own) and its RSS after imports, before any weight. The Qwen3-1.7B-shaped model
 (random weights in bf16, as the hub's checkpoint is stored: 28 layers, hidden 2048, vocabulary 151,936, tied
 embeddings) is built once into artifacts/bench/qwen3-1.7b-shape (3.4 GB). A rank's fp32 shard is a half of the
 model's fp32 bytes.
@@ -18,6 +19,8 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -41,6 +44,26 @@ def _rss_mib() -> float:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
 
 
+class AnonymousPeak:
+    """The largest RssAnon (memory of this process's own, not file pages it maps) seen every 5 ms while it runs."""
+
+    def __enter__(self):
+        self.peak, self.running = 0.0, True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self.running:
+            line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("RssAnon:"))
+            self.peak = max(self.peak, int(line.split()[1]) / 1024)
+            time.sleep(0.005)
+
+    def __exit__(self, *exc) -> None:
+        self.running = False
+        self.thread.join()
+
+
 def worker(cfg: LoadBench) -> None:
     import torch
     import torch.distributed as dist
@@ -52,14 +75,15 @@ def worker(cfg: LoadBench) -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     before = _rss_mib()
-    if cfg.worker == "sharded":
-        model = build_model(ModelConfig(path=cfg.path), mesh, FSDPConfig())
-    else:
-        model = shard(AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32), mesh, FSDPConfig())
+    with AnonymousPeak() as anonymous:
+        if cfg.worker == "sharded":
+            model = build_model(ModelConfig(path=cfg.path), mesh, FSDPConfig())
+        else:
+            model = shard(AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32), mesh, FSDPConfig())
     local = sum(p.to_local().numel() * 4 for p in model.parameters()) / 2 ** 20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     results = [None] * dist.get_world_size()
-    dist.all_gather_object(results, {"before": before, "peak": peak, "shard": local})
+    dist.all_gather_object(results, {"before": before, "peak": peak, "anonymous": anonymous.peak, "shard": local})
     if dist.get_rank() == 0:
         Path(cfg.out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -98,10 +122,12 @@ def main(cfg: LoadBench) -> None:
     for name in cfg.models:
         runs = {way: run_way(way, paths[name]) for way in ("sharded", "full")}
         peak = {way: max(r["peak"] for r in ranks) for way, ranks in runs.items()}
+        anonymous = {way: max(r["anonymous"] for r in ranks) for way, ranks in runs.items()}
         start = max(r["before"] for r in runs["sharded"])
         shard = runs["sharded"][0]["shard"]
-        print(f"{name}: rank 0's fp32 shard {shard:.0f} MiB, a rank at start {start:.0f} MiB; above start: "
-              f"sharded {peak['sharded'] - start:.0f} MiB, full {peak['full'] - start:.0f} MiB", flush=True)
+        print(f"{name}: rank 0's fp32 shard {shard:.0f} MiB, a rank at start {start:.0f} MiB; peak anonymous memory "
+              f"(RssAnon, without the mapped file's pages) sharded {anonymous['sharded']:.0f} MiB, full "
+              f"{anonymous['full']:.0f} MiB", flush=True)
         lines.append(f"{name}: peak RSS per rank: sharded {peak['sharded']:.0f} MiB, full {peak['full']:.0f} MiB")
     print("\n".join(lines))
 

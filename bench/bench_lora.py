@@ -2,8 +2,8 @@
 B A) against vLLM's own LoRA on the base weights. Generation tokens/s of each on the same prompts and sampling, what
 bringing a changed adapter into the engine costs (seconds, bytes), and whether both give the same greedy completions.
 
-    torchrun --standalone --nproc_per_node 1 bench/bench_lora.py --model runs/sft-tiny/hf
-    torchrun --standalone --nproc_per_node 1 bench/bench_lora.py --model runs/sft-tiny/hf --prompts 8 --updates 2
+    python bench/bench_lora.py                       # runs/sft-tiny/hf (make run's SFT model); ~80 s
+    python bench/bench_lora.py --prompts 8 --updates 2
 
 Each way runs in a 1-rank torchrun job of its own (OMP_NUM_THREADS=1), one after the other, on the same policy: the
 model of --model with a peft adapter (rank --rank, alpha 2 x rank) on every linear layer whose B is drawn anew
