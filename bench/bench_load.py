@@ -35,7 +35,7 @@ SMOLLM2 = REPO / "artifacts" / "smollm2-135m"
 @dataclass
 class LoadBench:
     models: list[Literal["smollm2", "qwen3-1.7b"]] = field(default_factory=lambda: ["smollm2", "qwen3-1.7b"])
-    worker: Literal["", "sharded", "full"] = ""       # internal: one way on this torchrun rank
+    worker: Literal["", "sharded", "broadcast", "full"] = ""   # internal: one way on this torchrun rank
     path: str = ""
     out: str = ""
 
@@ -78,6 +78,8 @@ def worker(cfg: LoadBench) -> None:
     with AnonymousPeak() as anonymous:
         if cfg.worker == "sharded":
             model = build_model(ModelConfig(path=cfg.path), mesh, FSDPConfig())
+        elif cfg.worker == "broadcast":
+            model = broadcast_from_rank0(cfg.path, mesh)
         else:
             model = shard(AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32), mesh, FSDPConfig())
     local = sum(p.to_local().numel() * 4 for p in model.parameters()) / 2 ** 20
@@ -87,6 +89,26 @@ def worker(cfg: LoadBench) -> None:
     if dist.get_rank() == 0:
         Path(cfg.out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def broadcast_from_rank0(path: str, mesh):
+    """torchtune's way: the sharded meta model made real, rank 0 reads the whole file (mmap) and
+    `set_model_state_dict(broadcast_from_rank0=True)` sends each rank its shards."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from forge_core.model import FSDPConfig, ModelConfig, shard
+    from forge_core.weights import _empty_model, _fill_buffers
+    model = shard(_empty_model(ModelConfig(path=path)), mesh, FSDPConfig())
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    _fill_buffers(model)
+    full = {k: v.float() for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()} \
+        if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                               strict=False))
+    return model
 
 
 def build_qwen3_shape() -> None:
@@ -120,14 +142,15 @@ def main(cfg: LoadBench) -> None:
         build_qwen3_shape()
     lines = []
     for name in cfg.models:
-        runs = {way: run_way(way, paths[name]) for way in ("sharded", "full")}
+        runs = {way: run_way(way, paths[name]) for way in ("sharded", "broadcast", "full")}
         peak = {way: max(r["peak"] for r in ranks) for way, ranks in runs.items()}
         anonymous = {way: max(r["anonymous"] for r in ranks) for way, ranks in runs.items()}
         start = max(r["before"] for r in runs["sharded"])
         shard = runs["sharded"][0]["shard"]
         print(f"{name}: rank 0's fp32 shard {shard:.0f} MiB, a rank at start {start:.0f} MiB; peak anonymous memory "
-              f"(RssAnon, without the mapped file's pages) sharded {anonymous['sharded']:.0f} MiB, full "
-              f"{anonymous['full']:.0f} MiB", flush=True)
+              f"(RssAnon, without the mapped file's pages) sharded {anonymous['sharded']:.0f} MiB, broadcast from rank 0 "
+              f"{anonymous['broadcast']:.0f} MiB (peak RSS {peak['broadcast']:.0f}), full {anonymous['full']:.0f} MiB",
+              flush=True)
         lines.append(f"{name}: peak RSS per rank: sharded {peak['sharded']:.0f} MiB, full {peak['full']:.0f} MiB")
     print("\n".join(lines))
 
