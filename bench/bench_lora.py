@@ -60,12 +60,13 @@ class LoRABench:
 def draw_adapter(model, seed: int) -> None:
     """Every lora_B of the (1-rank) policy drawn anew from `seed`: a changed adapter, as after a training step."""
     import torch
-    from torch.distributed.tensor import DTensor
+
+    from forge_core.lora import local_shard
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".lora_B." in name:
-                (param.to_local() if isinstance(param, DTensor) else param).normal_(0, B_STD, generator=generator)
+                local_shard(param).normal_(0, B_STD, generator=generator)
 
 
 class Merged:
@@ -88,13 +89,12 @@ class VLLMLoRA:
         self.update()
 
     def update(self) -> tuple[float, int]:
-        from torch.distributed.tensor import DTensor
         from vllm.lora.request import LoRARequest
 
         from forge_core.lora import save_adapter
+        from forge_core.weights import full_tensor
         t0 = time.perf_counter()
-        adapter = {n: t.full_tensor() if isinstance(t, DTensor) else t
-                   for n, t in self.policy.state_dict().items() if ".lora_" in n}
+        adapter = {n: full_tensor(t) for n, t in self.policy.state_dict().items() if ".lora_" in n}
         save_adapter(self.policy, adapter, self.dir)
         self.llm.llm_engine.add_lora(LoRARequest(ADAPTER, 1, self.dir, load_inplace=True))
         self.llm.reset_prefix_cache()

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .config import ForgeError
 
 __all__ = ["LoRAConfig", "add_adapter", "init_adapter", "has_adapter", "base_model", "hf_name", "Adapted",
-           "adapted_weights", "merge", "save_adapter"]
+           "adapted_weights", "merge", "save_adapter", "local_shard"]
 
 _PREFIX = "base_model.model."
 
@@ -65,10 +65,11 @@ def init_adapter(model: nn.Module, seed: int) -> None:
             full = torch.zeros(param.shape)
         else:
             continue
-        _local(param).copy_(_slice_like(full.to(param.dtype), param))
+        local_shard(param).copy_(_slice_like(full.to(param.dtype), param))
 
 
-def _local(t: Tensor) -> Tensor:
+def local_shard(t: Tensor) -> Tensor:
+    """This rank's part of a (D)Tensor."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 

@@ -51,7 +51,7 @@ class FSDPConfig:
     # CPU, fp32: the GEMMs of every nn.Linear. auto = oneDNN on AMD (2.3x torch's MKL on a Zen 5, equal on Zen 1/3),
     # torch's own on Intel (MKL's fast paths; oneDNN was 0.8-1.05x of it on AVX-512 Xeons): bench/bench_gemm.py
     linear_kernel: Literal["auto", "onednn", "torch"] = "auto"
-    # host memory for what does not fit the GPU (README "Memory"): FSDP2's CPUOffloadPolicy keeps parameters,
+    # host memory for what does not fit the GPU (README "Models bigger than one process"): FSDP2's CPUOffloadPolicy keeps parameters,
     # gradients and Adam's state on the host (the optimizer steps there); activation_offload keeps each decoder
     # layer's saved activations there until backward
     cpu_offload: bool = False

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from .lora import Adapted, adapted_weights, hf_name, merge
-from .weights import hf_tensors
+from .lora import Adapted, adapted_weights, hf_name, local_shard, merge
+from .weights import full_tensor, hf_tensors
 
 __all__ = ["SyncStats", "WeightSync", "engine_state_dict"]
 
@@ -142,9 +142,8 @@ class WeightSync:
 
 def _merge_local(adapted: Adapted, out: Tensor) -> None:
     """This rank's rows of the merged weight: its rows of W and B, the whole A (gathered: rank x in, small)."""
-    local = lambda t: t.to_local() if isinstance(t, DTensor) else t   # noqa: E731
-    a = adapted.a.full_tensor() if isinstance(adapted.a, DTensor) else adapted.a
-    merge(local(adapted.weight).detach(), a.detach(), local(adapted.b).detach(), adapted.scale, out=out)
+    merge(local_shard(adapted.weight).detach(), full_tensor(adapted.a).detach(), local_shard(adapted.b).detach(),
+          adapted.scale, out=out)
 
 
 def _copy_rows(copies: tuple[list[Tensor], list[Tensor]]) -> None:

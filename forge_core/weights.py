@@ -25,7 +25,7 @@ from .config import ForgeError
 from .lora import add_adapter, adapted_weights, has_adapter, hf_name, init_adapter, merge, save_adapter
 from .model import FSDPConfig, ModelConfig, hf_model, local_dir, shard
 
-__all__ = ["build_model", "hf_tensors", "export_hf"]
+__all__ = ["build_model", "hf_tensors", "export_hf", "full_tensor"]
 
 
 def build_model(cfg: ModelConfig, mesh: DeviceMesh, fsdp: FSDPConfig, seed: int = 0) -> nn.Module:
@@ -84,7 +84,8 @@ def _tied(model: nn.Module) -> bool:
     return bool(model.config.get_text_config().tie_word_embeddings)
 
 
-def _full(t: Tensor) -> Tensor:
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole of a (D)Tensor (collective over its mesh if sharded)."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
@@ -103,15 +104,15 @@ def hf_tensors(model: nn.Module, with_tied_head: bool = True):
     for name, t in _hf_state(model, with_tied_head).items():
         if name in adapted:
             a = adapted[name]
-            yield name, merge(_full(a.weight), _full(a.a), _full(a.b), a.scale)
+            yield name, merge(full_tensor(a.weight), full_tensor(a.a), full_tensor(a.b), a.scale)
         else:
-            yield name, _full(t)
+            yield name, full_tensor(t)
 
 
 def _adapter_tensors(model: nn.Module):
     for name, t in model.state_dict().items():
         if ".lora_" in name:
-            yield name, _full(t)
+            yield name, full_tensor(t)
 
 
 def export_hf(model: nn.Module, tokenizer, out_dir: str | Path, group: dist.ProcessGroup | None = None,
