@@ -23,7 +23,7 @@ $(BIN)/torchrun --standalone --nproc_per_node $(or $(3),3) train_grpo.py --confi
 echo "make $@: SFT + GRPO took $$(( $$(date +%s) - start )) s"
 endef
 
-.PHONY: setup run run-lora run-agent run-guess run-qwen3 run-smol run-smol-lora run-smol-tool test bench
+.PHONY: setup run run-lora run-agent run-guess run-selfplay run-kuhn run-qwen3 run-smol run-smol-lora run-smol-tool test bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -62,6 +62,21 @@ artifacts/tiny_guess/init/config.json: tools/build_tiny.py forge_core/tasks.py |
 # A feedback game over chat turns: SFT on a random but consistent guesser's games (2 ranks), then GRPO (3 ranks)
 run-guess: setup artifacts/tiny_guess/init/config.json
 	$(call sft_then_grpo,configs/sft/tiny_guess.yaml,configs/grpo/tiny_guess.yaml)
+
+artifacts/tiny_tictactoe/init/config.json: tools/build_tiny.py environments.py | setup
+	$(BIN)/python tools/build_tiny.py --task tictactoe --out artifacts/tiny_tictactoe
+
+# Multi-agent self-play: SFT on random legal TicTacToe moves (2 ranks), then GRPO self-play (2 policy ranks); the
+# score against OpenSpiel's random and MCTS players before and after
+run-selfplay: setup artifacts/tiny_tictactoe/init/config.json
+	$(call sft_then_grpo,configs/sft/tiny_tictactoe.yaml,configs/grpo/tiny_tictactoe.yaml,2)
+
+artifacts/tiny_kuhn_poker/init/config.json: tools/build_tiny.py environments.py | setup
+	$(BIN)/python tools/build_tiny.py --task kuhn_poker --out artifacts/tiny_kuhn_poker
+
+# Kuhn Poker (chance deals, hidden cards): the same, against the random player
+run-kuhn: setup artifacts/tiny_kuhn_poker/init/config.json
+	$(call sft_then_grpo,configs/sft/tiny_kuhn_poker.yaml,configs/grpo/tiny_kuhn_poker.yaml,2)
 
 artifacts/tiny_qwen3/init/config.json: tools/build_tiny.py forge_core/tasks.py | setup
 	$(BIN)/python tools/build_tiny.py --arch qwen3 --out artifacts/tiny_qwen3

@@ -14,13 +14,20 @@ empty gets its observations as chat messages instead (the chat-template way, for
 """
 
 import ast
+import difflib
+import functools
 import operator
 import re
 
+import numpy as np
+import pyspiel
+from open_spiel.python.algorithms import mcts
+
+from forge_core.config import ForgeError
 from forge_core.sandbox import SandboxConfig, run_python
 from rewards import extract_gsm8k_answer
 
-__all__ = ["calculate", "Calculator", "GuessNumber", "PythonTool"]
+__all__ = ["calculate", "Calculator", "GuessNumber", "PythonTool", "OpenSpielGame"]
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
@@ -119,3 +126,90 @@ class PythonTool:
         self.tool_timeouts += result.timed_out
         self.tool_errors += not result.timed_out and result.exit_code != 0
         return f"<output>{result.observation().strip()}</output>", 0.0, False
+
+
+class OpenSpielGame:
+    """Any OpenSpiel game with a text view, as a game of forge_core/games.py: `env.args: {game: kuhn_poker}`.
+    A seat's message is its view (`observation_string`, or `information_state_string` for `view:
+    information_state`), after `You are player N of GAME.` on its first turn, with the legal moves listed when
+    `list_moves`; a move is one of them as OpenSpiel writes it (`x(1,1)`, `Bet`) or its action number (`numbered`:
+    moves are listed and the bots write them as numbers, TicTacToe's cells 0-8: one token each). Chance
+    nodes are drawn from the row's `seed` (a GRPO group's games share their deals); the bots' draws differ per game.
+    Bots: `random`, and for perfect-information games `mcts` (OpenSpiel's MCTSBot, `mcts_simulations` per move)."""
+
+    def __init__(self, game: str = "tic_tac_toe", view: str = "observation", list_moves: bool = False,
+                 numbered: bool = False, mcts_simulations: int = 100):
+        self.game, self.name = _openspiel_game(game), game
+        self.players = self.game.num_players()
+        self.information_state = view == "information_state"
+        self.list_moves, self.numbered, self.mcts_simulations = list_moves, numbered, mcts_simulations
+        perfect = self.game.get_type().information == pyspiel.GameType.Information.PERFECT_INFORMATION
+        self.bots = ("random", "mcts") if perfect else ("random",)
+
+    def reset(self, row: dict) -> None:
+        self.state = self.game.new_initial_state()
+        seed = int(row.get("seed", 0))
+        self.chance = np.random.RandomState(seed % 2**32)
+        self.bot_draws = np.random.RandomState((seed * 7919 + int(row.get("episode", 0))) % 2**32)
+        self.mcts, self.introduced = None, set()
+        self._draw_chance()
+
+    def current_player(self) -> int:
+        return -1 if self.state.is_terminal() else self.state.current_player()
+
+    def observation(self, seat: int) -> str:
+        view = (self.state.information_state_string(seat) if self.information_state
+                else self.state.observation_string(seat))
+        if self.list_moves:
+            view += "\nLegal moves: " + " ".join(self._legal())
+        intro = "" if seat in self.introduced else f"You are player {seat} of {self.name}.\n"
+        self.introduced.add(seat)
+        return intro + view
+
+    def step(self, action: str) -> str | None:
+        if self.state.is_terminal():
+            raise ForgeError(f"game error: a move ({action.strip()!r:.20}) for a finished {self.name} game")
+        seat, actions = self.state.current_player(), self.state.legal_actions()
+        legal = {self.state.action_to_string(seat, a).lower(): a for a in actions}
+        move = action.strip().lower()
+        chosen = legal.get(move, int(move) if move.isdigit() and int(move) in actions else None)
+        if chosen is None:
+            return f"Illegal move {action.strip()[:20]!r}. Legal moves: {' '.join(self._legal())}"
+        self.state.apply_action(chosen)
+        self._draw_chance()
+        return None
+
+    def returns(self) -> list[float]:
+        return list(self.state.returns())
+
+    def bot_move(self, name: str) -> str:
+        if name == "mcts":
+            if self.mcts is None:
+                evaluator = mcts.RandomRolloutEvaluator(1, self.bot_draws)
+                self.mcts = mcts.MCTSBot(self.game, 2.0, self.mcts_simulations, evaluator,
+                                         random_state=self.bot_draws, solve=True)
+            action = self.mcts.step(self.state)
+        else:
+            action = self.bot_draws.choice(self.state.legal_actions())
+        return self._written(action)
+
+    def _legal(self) -> list[str]:
+        return [self._written(a) for a in self.state.legal_actions()]
+
+    def _written(self, action: int) -> str:
+        return str(action) if self.numbered else self.state.action_to_string(self.state.current_player(), action)
+
+    def _draw_chance(self) -> None:
+        while self.state.is_chance_node():
+            actions, probabilities = zip(*self.state.chance_outcomes())
+            self.state.apply_action(int(self.chance.choice(actions, p=probabilities)))
+
+
+@functools.cache
+def _openspiel_game(name: str):
+    known = pyspiel.registered_names()      # asked first: a failed load_game prints every name to stderr
+    if name.split("(")[0] not in known:
+        close = difflib.get_close_matches(name, known, n=3)
+        raise ForgeError(f"config error: env.args.game: OpenSpiel has no game '{name}'"
+                         + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    return pyspiel.load_game(name)

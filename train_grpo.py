@@ -32,6 +32,7 @@ from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, in
 from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check_kv_cache, check_tensor_parallel,
                                context_length, engine_dtype, engine_group, generate, join_engine_groups)
 from forge_core.env import EnvConfig, load_env, run_episodes, stop_strings
+from forge_core.games import RAE, GameConfig, check_game, describe_games, evaluate_games, game_sampler, is_game
 from forge_core.exchange import receive_scores, send_rollout, serve
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics, rollout_metrics
@@ -115,6 +116,7 @@ class GRPOConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     rewards: RewardConfig = field(default_factory=RewardConfig)
     env: EnvConfig = field(default_factory=EnvConfig)   # multi-turn episodes with an environment (forge_core/env.py)
+    game: GameConfig = field(default_factory=GameConfig)    # an env with players: who plays (forge_core/games.py)
     loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, max_grad_norm=1.0))
@@ -143,9 +145,12 @@ def global_std(values: Tensor, group) -> float:
     return math.sqrt(max(s["squares"] - s["sum"] ** 2 / s["n"], 0.0) / max(s["n"] - 1, 1))
 
 
-def attach_advantages(rollout: Rollout, cfg: LossConfig, G: int, group) -> None:
-    """The rollout's group advantages (with `scale_rewards: batch`, the std of every policy rank's rewards) and,
-    with dynamic sampling, which sequences the loss keeps."""
+def attach_advantages(rollout: Rollout, cfg: LossConfig, G: int, group, rae: RAE | None = None) -> None:
+    """The rollout's group advantages (with `scale_rewards: batch`, the std of every policy rank's rewards), or a
+    game's role-conditioned ones (`rae`); with dynamic sampling, which sequences the loss keeps."""
+    if rae is not None:
+        rollout.advantages = rae(rollout.rewards, rollout.episode, group)
+        return
     batch_std = global_std(rollout.rewards, group) if cfg.scale_rewards == "batch" else None
     rollout.advantages = group_advantages(rollout.rewards, G, cfg.scale_rewards, batch_std)
     if cfg.drop_zero_variance_groups:
@@ -358,8 +363,12 @@ def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles, t
     return out
 
 
-def sampler(engine, tokenizer, rows: list[dict], cfg: GRPOConfig, env_class) -> Callable[..., Rollout]:
-    """`sample(row indices, seed, greedy)` -> Rollout: G completions per prompt, or G episodes per row."""
+def sampler(engines: dict, tokenizer, rows: list[dict], cfg: GRPOConfig, env_class) -> Callable[..., Rollout]:
+    """`sample(row indices, seed, greedy)` -> Rollout: G completions per prompt, or G episodes or games per row
+    (a game's: against the opponents `deal` gives each row, or all `against` one, the policy in seat i % players)."""
+    engine = engines["policy"]
+    if is_game(env_class, cfg.env):
+        return game_sampler(engines, tokenizer, env_class, rows, cfg.sampling, cfg.env, cfg.game)
     prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in rows] if env_class is None else None
     group, turn_end_ids = engine_group(cfg.engine), turn_end(tokenizer).ids     # a completion ends with its turn
 
@@ -408,7 +417,7 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
         index = drawn[engine * per_rank * tp:(engine + 1) * per_rank * tp]
         rollout = engine_share(sample(index, seed=cfg.train.seed + step * 1_000 + engine), len(index), place, tp)
         return balanced_share(exchange(rollout, roles.groups["policy"]), me, G, cfg.train.micro_batch_size,
-                              per_rank * G // cfg.train.mini_batches)
+                              len(rollout) // cfg.train.mini_batches)
 
     waiting = None
     for step in steps:
@@ -432,19 +441,27 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
         yield waiting, after
 
 
-def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_rows, steps: range,
-                 ckpt: Checkpointer, policy, optim, sched, in_flight: Rollout | None) -> None:
+def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, eval_rows, steps: range,
+                 ckpt: Checkpointer, policy, optim, sched, in_flight: Rollout | None, rae_state: dict | None) -> None:
     env_class = load_env(cfg.env, ENVIRONMENTS_PY)
+    game = is_game(env_class, cfg.env)
     accuracy_name = cfg.rewards.accuracy or ("env" if env_class else function_names(cfg.rewards)[0])
     tools = bool(stop_strings(env_class))
+    game_keys = ("episode/win", "episode/illegal", *(f"eval/score_vs_{o}" for o in cfg.game.eval_opponents))
     console_keys = ("reward/mean", "reward/accuracy", "loss/kl", "completion/length", "episode/turns",
-                    *(("episode/tool_calls",) if tools else ()), "perf/generate_tokens_per_s", "time/step",
-                    "eval/accuracy", "eval/accuracy_sampled", *(("eval/tool_use",) if tools else ()))
-    sample, sample_eval = (sampler(engine, tokenizer, r, cfg, env_class) for r in (rows, eval_rows))
+                    *(("episode/tool_calls",) if tools else ()), *(game_keys if game else ()),
+                    "perf/generate_tokens_per_s", "time/step", *(() if game else ("eval/accuracy",)),
+                    "eval/accuracy_sampled", *(("eval/tool_use",) if tools else ()))
+    sample, sample_eval = (sampler(engines, tokenizer, r, cfg, env_class) for r in (rows, eval_rows))
     G = cfg.sampling.num_generations
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=steps.start)
     bad_steps = BadSteps(cfg.train.max_bad_steps, log.print)
-    weight_sync = WeightSync(policy, engine, cfg.engine.tensor_parallel_size)   # engine = trainer's weights
+    weight_sync = WeightSync(policy, engines["policy"], cfg.engine.tensor_parallel_size)  # engine = trainer's weights
+    # the frozen opponent's engine: the start model, or (refreshed) the policy of the last refresh; a resumed
+    # run's refreshes at the start (its snapshot is the checkpoint's policy)
+    refresh = cfg.game.frozen_refresh_every if engines["frozen"] is not None else 0
+    frozen_sync = WeightSync(policy, engines["frozen"]) if refresh else None
+    rae = RAE(cfg.game.rae_decay, rae_state) if game and cfg.game.advantage == "rae" else None
     on_gpu = roles.dist.device.type == "cuda"
     kernels = "" if on_gpu else f", CPU GEMMs {linear_kernel(cfg.fsdp)}"
     log.print(f"grpo: trainer {'bf16' if bf16_chosen(cfg.fsdp.mixed_precision, on_gpu) else 'fp32'}, engine "
@@ -459,6 +476,9 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         return score(texts, [rows[i] for i in rollout.row_ids], pool, cfg.rewards)
 
     def held_out() -> dict[str, float]:
+        if game:
+            return evaluate_games(sample_eval, len(eval_rows), cfg.game.eval_opponents, env_class(**cfg.env.args).players,
+                                  roles.policy_ranks.index(roles.rank), roles.groups["policy"])
         return evaluate(sample_eval, tokenizer, eval_rows, roles, cfg.engine.tensor_parallel_size, accuracy,
                         cfg.train.eval_sampled)
 
@@ -466,12 +486,13 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
     start_accuracy = held_out()
     accuracy_now = start_accuracy
     log.print(f"held-out accuracy at step {steps.start}: {start_accuracy['eval/accuracy']:.3f} greedy"
-              + (f", {start_accuracy['eval/accuracy_sampled']:.3f} sampled" if cfg.train.eval_sampled else ""))
+              + (f", {start_accuracy['eval/accuracy_sampled']:.3f} sampled" if 'eval/accuracy_sampled' in
+                 start_accuracy else ""))
     def collect_scores(rollout: Rollout) -> None:
         """Exchange 2: the rollout's rewards (and reference logprobs) come in; then its group advantages."""
         t = time.perf_counter()
         receive_scores(rollout, roles, local_rewards, cfg.loss.beta > 0 and not cfg.model.lora.rank)
-        attach_advantages(rollout, cfg.loss, G, roles.groups["policy"])
+        attach_advantages(rollout, cfg.loss, G, roles.groups["policy"], rae)
         rollout.seconds["score"] += time.perf_counter() - t
 
     rollouts = sent_rollouts(sample, len(rows), steps, cfg, roles, in_flight)
@@ -488,6 +509,8 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         set_phase("sync")
         # a held-out figure is of the trainer's weights, and a resumed run's engine starts from the checkpoint's
         sync = weight_sync() if done % cfg.train.sync_every == 0 or evaluating or saving else None
+        if refresh and done % refresh == 0:     # a new snapshot for the frozen opponent
+            frozen_sync()
         t_sync = time.perf_counter()
 
         metrics = rollout_metrics(rollout, roles.groups["policy"], accuracy_name) | stats
@@ -510,7 +533,8 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
             log.log(done, metrics, console_keys)
         set_phase("checkpoint")
         if saving:
-            ckpt.save_due(done, policy, optim, {"scheduler": sched.state_dict(), "config": config_to_dict(cfg)},
+            ckpt.save_due(done, policy, optim, {"scheduler": sched.state_dict(), "config": config_to_dict(cfg),
+                                                "rae": rae and rae.state_dict()},
                           rank_state={"in_flight": None if in_flight is None else vars(in_flight)})
         if cfg.ckpt.export_every and done % cfg.ckpt.export_every == 0:
             export_hf(policy, tokenizer, Path(cfg.out_dir) / f"hf_step_{done:06d}", roles.groups["policy"],
@@ -521,7 +545,8 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engine, tokenizer, rows, eval_ro
         export_dir = export_path(cfg.out_dir, cfg.export_dir)
         export_hf(policy, tokenizer, export_dir, roles.groups["policy"], adapter=cfg.model.lora.save_adapter)
         log.print(f"exported {export_dir}")
-    log.print(describe_accuracy(start_accuracy, accuracy_now, cfg, steps, len(eval_rows), tools))
+    log.print(describe_games(start_accuracy, accuracy_now, cfg.game.eval_opponents, len(eval_rows)) if game else
+              describe_accuracy(start_accuracy, accuracy_now, cfg, steps, len(eval_rows), tools))
     log.print(f"summary: {steps.stop - steps.start} GRPO steps in {time.perf_counter() - started:.0f} s took greedy "
               f"held-out accuracy from {start_accuracy['eval/accuracy']:.3f} to {accuracy_now['eval/accuracy']:.3f} "
               f"({len(eval_rows)} rows)")
@@ -573,7 +598,7 @@ def main() -> None:
     roles = init_roles(cfg.layout, cfg.dist, reference_scores=cfg.loss.beta > 0 and not cfg.model.lora.rank)   # every rank builds every group
     check_config(cfg, roles.dist.world_size, roles.dist.ranks_per_node)
     load_reward_functions(cfg.rewards, REWARDS_PY)    # a typo in a reward or env name fails here, on every rank
-    load_env(cfg.env, ENVIRONMENTS_PY)                # before any work
+    env_class = load_env(cfg.env, ENVIRONMENTS_PY)    # before any work
     tokenizer = load_tokenizer(cfg.model)
     check_tensor_parallel(cfg.engine, cfg.model)
     context = context_length(cfg.engine, cfg.model)
@@ -593,11 +618,14 @@ def main() -> None:
     if len(eval_rows) < len(roles.policy_ranks):     # each policy rank evaluates a share of them
         raise ForgeError(f"config error: {len(eval_rows)} held-out row(s) from {cfg.data.eval_path} (data.eval_rows="
                          f"{cfg.data.eval_rows}) for {len(roles.policy_ranks)} policy ranks: give each at least one")
+    if is_game(env_class, cfg.env):
+        check_game(env_class, cfg.env, cfg.game, rows[0], cfg.train.prompts_per_step // len(roles.policy_ranks),
+                   cfg.sampling.num_generations, cfg.train.mini_batches, cfg.engine.tensor_parallel_size)
     torch.manual_seed(cfg.train.seed)
 
     # Policy ranks load and shard the model and restore the checkpoint before the engine starts, so the
     # engine is built from (and synced with) the weights training continues from.
-    policy = optim = sched = ckpt = path = in_flight = None
+    policy = optim = sched = ckpt = path = in_flight = rae_state = None
     start_step, export_dir = 0, export_path(cfg.out_dir, cfg.export_dir)
     if roles.is_policy:
         ckpt = Checkpointer(cfg.out_dir, cfg.ckpt, group=roles.groups["policy"])
@@ -616,9 +644,13 @@ def main() -> None:
             start_step = meta["step"]
             kept = ckpt.rank_state(path)
             in_flight = Rollout(**kept["in_flight"]) if kept and kept["in_flight"] else None
+            rae_state = meta.get("rae")
     start_step = exchange(start_step)[0]     # every role walks the same steps
-    engine = build_engine(cfg.model.path, cfg.engine, cfg.train.seed, roles) if roles.is_policy \
-        else join_engine_groups(roles)
+    engines = {"policy": None, "frozen": None}
+    frozen = is_game(env_class, cfg.env) and "frozen" in cfg.game.opponents
+    for player in ("policy", "frozen")[:1 + frozen]:    # a frozen opponent: an engine of its own (docs/design.md)
+        engines[player] = build_engine(cfg.model.path, cfg.engine, cfg.train.seed, roles) if roles.is_policy \
+            else join_engine_groups(roles)
     steps = range(start_step, min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps))
     # Python's collector: the model, engine and data live for the whole run, so later collections skip them
     # (freeze); vLLM makes thousands of short-lived objects per step, so young ones are collected less often.
@@ -633,7 +665,8 @@ def main() -> None:
     elif roles.is_reward:
         serve(reward_answerer(cfg, roles, tokenizer, rows), steps, cfg.train.one_step_off, roles)
     else:
-        train_policy(cfg, roles, engine, tokenizer, rows, eval_rows, steps, ckpt, policy, optim, sched, in_flight)
+        train_policy(cfg, roles, engines, tokenizer, rows, eval_rows, steps, ckpt, policy, optim, sched, in_flight,
+                     rae_state)
         release(roles.dist, "policy_done")
     close_dist()
 

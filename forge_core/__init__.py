@@ -14,6 +14,7 @@ down into these modules, one concern each:
     engine    the colocated vLLM engine: building it, sampling params, seeded draws, generate
     sync      FSDP shards into the engines by collectives (never through files)
     env       multi-turn episodes: the environment protocol and the turn loop
+    games     games with seats: who plays each (self, a frozen snapshot, bots), the rounds, RAE, held-out play
     sandbox   running model-written code isolated and bounded
     rootfs    a sandboxed call's root: the host's system directories read-only, a private /tmp; the mount table
     cgroups   a sandboxed call's cgroups (v1 or v2): its memory, processes and CPU; the memory of calls at once

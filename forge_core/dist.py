@@ -213,6 +213,9 @@ def release(d: Dist, key: str) -> None:
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
+_startups = itertools.count()       # the start-ups of this process: the policy and outsider ranks count alike
+
+
 @contextlib.contextmanager
 def published_world_calls(d: Dist, outsiders: list[int]):
     """Around a library's start-up that some ranks run (vLLM's engines, on the policy ranks) but that creates
@@ -220,7 +223,8 @@ def published_world_calls(d: Dist, outsiders: list[int]):
     `new_group` call, and each all-reduce over a group with an outsider in it, to the store, where
     `mirror_world_calls` on the `outsiders` makes the same calls without the library (running vLLM's group
     set-up cost a reference or reward rank of the tiny job 2.6 s of CPU and 190 MB). Every rank that runs the
-    start-up enters; rank 0 publishes."""
+    start-up enters; rank 0 publishes. Each start-up (a second engine's too) has keys of its own."""
+    startup = next(_startups)
     if d.rank != 0 or not outsiders:
         yield
         return
@@ -229,7 +233,7 @@ def published_world_calls(d: Dist, outsiders: list[int]):
     published = itertools.count()
 
     def publish(*call) -> None:
-        d.store.set(f"world_calls/{next(published)}", pickle.dumps(call))
+        d.store.set(f"world_calls/{startup}/{next(published)}", pickle.dumps(call))
 
     def publishing_new_group(ranks=None, **kwargs):
         publish("new_group", ranks, kwargs)
@@ -256,9 +260,9 @@ def published_world_calls(d: Dist, outsiders: list[int]):
 def mirror_world_calls(d: Dist) -> None:
     """On a rank outside `published_world_calls`: make its calls, as rank 0 publishes them, until it ends;
     an all-reduce gets the operation's identity (the largest value for a MIN), which changes nothing."""
-    created = []
+    created, startup = [], next(_startups)
     for index in itertools.count():
-        key = f"world_calls/{index}"
+        key = f"world_calls/{startup}/{index}"
         d.store.wait([key], d.timeout)
         call, *args = pickle.loads(d.store.get(key))
         if call == "end":

@@ -2,7 +2,8 @@
 
 An environment is any class with these methods (a protocol: nothing to subclass), named in the config the way
 reward functions are (`env.name: Calculator`, from the script's `environments.py`, or `"my_env.py:Maze"`); one
-instance per episode:
+instance per episode, built with `env.args` as keyword arguments (an environment with `players` is a game:
+forge_core/games.py):
 
     class Guess:
         stop = []                                   # optional: strings that end a model turn mid-message
@@ -65,7 +66,8 @@ from .model import turn_end
 from .processes import descendants, end_descendants_but, subreaping
 from .rollout import Rollout, pad_left, pad_right
 
-__all__ = ["EnvConfig", "END_REASONS", "load_env", "stop_strings", "run_episodes"]
+__all__ = ["EnvConfig", "END_REASONS", "load_env", "stop_strings", "run_episodes", "Episode", "take_turn",
+           "bounded_calls", "env_error", "observation_ids", "to_rollout", "subreaping"]
 
 END_REASONS = ("done", "max_turns", "budget", "env_error")
 TOOL_COUNTS = ("tool_errors", "tool_timeouts")          # optional counters of an environment instance
@@ -79,6 +81,7 @@ class EnvConfig:
     max_observation_tokens: PositiveInt = 32    # an observation is cut to this many tokens
     workers: PositiveInt = 16                   # environment steps of one turn that run at once
     timeout_s: PositiveFloat = 60.0             # a reset or step not back this long after it started ends its episode
+    args: dict = field(default_factory=dict)    # keyword arguments of the environment's class (a game's name)
 
 
 def load_env(cfg: EnvConfig, default_file: str) -> Callable[[], object] | None:
@@ -99,7 +102,7 @@ def stop_strings(env_class) -> list[str]:
 
 
 @dataclass
-class _Episode:
+class Episode:
     env: object
     prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)            # after the prompt: model and observation tokens
@@ -121,7 +124,7 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
     after the first prompt; `episode` holds per-episode statistics (return, turns, tool calls, end reason).
     `group`: the ranks of a tensor-parallel engine, all calling this with the same rows and seed; the
     environments run on the first of them, which sends their answers to the others."""
-    with subreaping():      # a daemon an environment starts comes to this rank, where `_calls` ends it
+    with subreaping():      # a daemon an environment starts comes to this rank, where `bounded_calls` ends it
         return _play(engine, tokenizer, env_class, rows, row_ids, sampling, cfg, seed, greedy, group)
 
 
@@ -129,11 +132,11 @@ def _play(engine, tokenizer, env_class, rows: list[dict], row_ids: list[int], sa
           cfg: EnvConfig, seed: int, greedy: bool, group: dist.ProcessGroup | None) -> Rollout:
     G = 1 if greedy else sampling.num_generations
     stops = stop_strings(env_class)
-    episodes = [_Episode(env_class(), []) for _ in rows for _ in range(G)]
+    episodes = [Episode(env_class(**cfg.args), []) for _ in rows for _ in range(G)]
     expanded_rows = [row for row in rows for _ in range(G)]
     tool_seconds = 0.0
     spared = frozenset(descendants(os.getpid()))        # what ran before the episodes (reward workers)
-    firsts = _on_first(group, lambda: _calls(_reset, episodes, expanded_rows, cfg, spared))
+    firsts = on_first(group, lambda: bounded_calls(_reset, episodes, expanded_rows, cfg, spared))
     if all(first is None for first in firsts):
         raise ForgeError(f"env error: every {env_class.__name__}.reset of a batch failed (why: the line above)")
     for episode, first in zip(episodes, firsts):
@@ -153,17 +156,18 @@ def _play(engine, tokenizer, env_class, rows: list[dict], row_ids: list[int], sa
                                   stop_token_ids=list(end.ids), max_tokens=tokens) for tokens in room]
         with seeded_draws(seed + turn):
             outputs = engine.generate([{"prompt_token_ids": e.context()} for e in running], params, use_tqdm=False)
-        actions = [_take_turn(e, out.outputs[0], stops) for e, out in zip(running, outputs)]
+        actions = [take_turn(e, out.outputs[0], stops) for e, out in zip(running, outputs)]
         t0 = time.perf_counter()
-        results = _on_first(group, lambda: _calls(_step, running, [text for text, _ in actions], cfg, spared))
+        results = on_first(group, lambda: bounded_calls(_step, running, [text for text, _ in actions], cfg, spared))
         tool_seconds += time.perf_counter() - t0
         for episode, result, (_, ending) in zip(running, results, actions):
             _answer(episode, result, ending, turn, tokenizer, end.text, cfg)
-    tool_counts = _on_first(group, lambda: [[getattr(e.env, k, 0) for e in episodes] for k in TOOL_COUNTS])
-    return _to_rollout(episodes, row_ids, G, tokenizer.pad_token_id, tool_seconds, dict(zip(TOOL_COUNTS, tool_counts)))
+    tool_counts = on_first(group, lambda: [[getattr(e.env, k, 0) for e in episodes] for k in TOOL_COUNTS])
+    return to_rollout(episodes, [r for r in row_ids for _ in range(G)], tokenizer.pad_token_id, tool_seconds,
+                      dict(zip(TOOL_COUNTS, tool_counts)))
 
 
-def _on_first(group: dist.ProcessGroup | None, compute: Callable[[], object]):
+def on_first(group: dist.ProcessGroup | None, compute: Callable[[], object]):
     """`compute()` run on the first rank of `group`, the ranks of one tensor-parallel engine, and its result on
     each of them: they run the engine in lockstep, so every turn's contexts must be the same on each, whatever
     the environment does (a tool's timeout, a random draw)."""
@@ -174,7 +178,7 @@ def _on_first(group: dist.ProcessGroup | None, compute: Callable[[], object]):
     return result[0]
 
 
-def _take_turn(episode: _Episode, sample, stops: list[str]) -> tuple[str, str]:
+def take_turn(episode: Episode, sample, stops: list[str]) -> tuple[str, str]:
     """Append the model's turn as generated; the text the environment sees, and how the turn ended: "tool" (at a
     stop string), "end" (the template's end of turn, or EOS) or "cut" (by max_tokens). The text is vLLM's, which
     ends at the stop string where the last sampled token runs past it (SmolLM2 samples `><` after `</python`: the
@@ -189,8 +193,8 @@ def _take_turn(episode: _Episode, sample, stops: list[str]) -> tuple[str, str]:
     return sample.text, "tool" if tool else "cut" if sample.finish_reason == "length" else "end"
 
 
-def _calls(call, episodes: list[_Episode], args: list, cfg: EnvConfig, spared: frozenset[int]) -> list:
-    """`call(episode, arg)` for each episode, `cfg.workers` at a time, each in a daemon thread of its own; the
+def bounded_calls(call, episodes: list, args: list, cfg: EnvConfig, spared: frozenset[int]) -> list:
+    """`call(episode, arg)` for each episode (or game), `cfg.workers` at a time, each in a daemon thread of its own; the
     results in order, None for a call not back `cfg.timeout_s` after it started. Such a call's thread is left
     behind (Python cannot stop it) and its place goes to the next call: a pool's worker would stay taken, and
     calls queued behind hung ones would time out without having run. Calls not started twice `cfg.timeout_s`
@@ -225,27 +229,27 @@ def _calls(call, episodes: list[_Episode], args: list, cfg: EnvConfig, spared: f
                 del started[i]
     end_descendants_but(spared)
     if late:
-        _env_error("timeout", f"{late} environment call(s) not back {cfg.timeout_s:g} s after they started, or "
+        env_error("timeout", f"{late} environment call(s) not back {cfg.timeout_s:g} s after they started, or "
                               "not started within twice that (env.timeout_s)")
     return results
 
 
-def _reset(episode: _Episode, row: dict) -> str | None:
+def _reset(episode: Episode, row: dict) -> str | None:
     """The environment's first message; None when its reset raised or gave no string."""
     name = type(episode.env).__name__
     try:
         first = episode.env.reset(row)
     except (Exception, SystemExit) as err:      # sys.exit() would end only the call's thread, seen as a hang
         error = type(err).__name__
-        _env_error(f"{name}.reset {error}", f"{name}.reset raised {error}: {err}")
+        env_error(f"{name}.reset {error}", f"{name}.reset raised {error}: {err}")
         return None
     if not isinstance(first, str):
-        _env_error(f"{name}.reset type", f"{name}.reset returned {_shown(first)}, not a string")
+        env_error(f"{name}.reset type", f"{name}.reset returned {_shown(first)}, not a string")
         return None
     return first
 
 
-def _step(episode: _Episode, action: str) -> tuple[str, float, bool, str] | None:
+def _step(episode: Episode, action: str) -> tuple[str, float, bool, str] | None:
     """The environment's answer and the role of its next message (read here, where the environment runs: under
     tensor parallelism the engine's other ranks have only the answers); None when its step raised or answered
     with a wrong type: (observation: str, reward: a finite number, done: bool)."""
@@ -254,13 +258,13 @@ def _step(episode: _Episode, action: str) -> tuple[str, float, bool, str] | None
         observation, reward, done = episode.env.step(action)
     except (Exception, SystemExit) as err:
         error = type(err).__name__
-        _env_error(f"{name}.step {error}", f"{name}.step raised {error}: {err}")
+        env_error(f"{name}.step {error}", f"{name}.step raised {error}: {err}")
         return None
     wrong = ("observation", observation, "a string") if not isinstance(observation, str) else \
         ("reward", reward, "a finite number") if not _is_number(reward) else \
         ("done", done, "a bool") if not isinstance(done, (bool, np.bool_)) else None
     if wrong is not None:
-        _env_error(f"{name}.step {wrong[0]}", f"{name}.step returned the {wrong[0]} {_shown(wrong[1])}, not {wrong[2]}")
+        env_error(f"{name}.step {wrong[0]}", f"{name}.step returned the {wrong[0]} {_shown(wrong[1])}, not {wrong[2]}")
         return None
     return observation, float(reward), bool(done), str(getattr(episode.env, "observation_role", "user"))
 
@@ -277,14 +281,14 @@ def _shown(value) -> str:
 _reported: set[str] = set()
 
 
-def _env_error(kind: str, what: str) -> None:
+def env_error(kind: str, what: str) -> None:
     """Say what went wrong the first time it does on this rank (not once per episode)."""
     if kind not in _reported:
         _reported.add(kind)
         print(f"env: {what}; such episodes end as env_error (said once)", file=sys.stderr, flush=True)
 
 
-def _answer(episode: _Episode, result, ending: str, turn: int, tokenizer, end_text: str, cfg: EnvConfig) -> None:
+def _answer(episode: Episode, result, ending: str, turn: int, tokenizer, end_text: str, cfg: EnvConfig) -> None:
     if result is None:
         episode.end_reason = "env_error"
         return
@@ -295,7 +299,7 @@ def _answer(episode: _Episode, result, ending: str, turn: int, tokenizer, end_te
     elif turn + 1 == cfg.max_turns:
         episode.end_reason = "max_turns"
     else:
-        ids = _observation_ids(tokenizer, observation, ending, role, cfg.max_observation_tokens, end_text)
+        ids = observation_ids(tokenizer, observation, ending, role, cfg.max_observation_tokens, end_text)
         if len(episode.ids) + len(ids) >= cfg.max_episode_tokens:
             episode.end_reason = "budget"
             return
@@ -304,7 +308,7 @@ def _answer(episode: _Episode, result, ending: str, turn: int, tokenizer, end_te
         episode.logprobs += [0.0] * len(ids)
 
 
-def _observation_ids(tokenizer, text: str, ending: str, role: str, max_tokens: int, end_text: str) -> list[int]:
+def observation_ids(tokenizer, text: str, ending: str, role: str, max_tokens: int, end_text: str) -> list[int]:
     """After a tool call (`ending` "tool"), inline: a tool result inside the model's message. Else a chat message
     and the assistant header: the template's text after a finished assistant message's `end_text`
     (`model.turn_end`), so the header tokens are the template's own; a message cut by max_tokens ("cut") is
@@ -321,21 +325,22 @@ def _observation_ids(tokenizer, text: str, ending: str, role: str, max_tokens: i
     return tokenizer(full[start:], add_special_tokens=False).input_ids
 
 
-def _to_rollout(episodes: list[_Episode], row_ids: list[int], G: int, pad_id: int, tool_seconds: float,
-                tool_counts: dict[str, list[int]]) -> Rollout:
+def to_rollout(episodes: list[Episode], row_ids: list[int], pad_id: int, tool_seconds: float,
+               counts: dict[str, list[float]]) -> Rollout:
+    """The episodes (`row_ids`: each one's data row) as a Rollout; `counts`: more per-episode statistics."""
     prompt_ids, prompt_mask = pad_left([e.prompt_ids for e in episodes], pad_id)
     completion_ids, completion_mask = pad_right([e.ids for e in episodes], pad_id)
     model_mask, _ = pad_right([e.model_mask for e in episodes], 0)
     sampler_logprobs, _ = pad_right([e.logprobs for e in episodes], 0.0, dtype=torch.float32)
     stats = {"return": [e.reward for e in episodes], "turns": [e.turns for e in episodes],
              "tool_calls": [e.tool_calls for e in episodes],
-             **tool_counts,
+             **counts,
              "model_tokens": [sum(e.model_mask) for e in episodes],
              "env_tokens": [len(e.ids) - sum(e.model_mask) for e in episodes],
              **{f"end_{r}": [e.end_reason == r for e in episodes] for r in END_REASONS}}
     rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs,
                       torch.tensor([e.end_reason in ("max_turns", "budget") for e in episodes]),
-                      [r for r in row_ids for _ in range(G)], model_mask=model_mask,
+                      row_ids, model_mask=model_mask,
                       episode={k: torch.tensor(v, dtype=torch.float32) for k, v in stats.items()})
     rollout.seconds["tools"] = tool_seconds
     return rollout

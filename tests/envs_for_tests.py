@@ -133,3 +133,4 @@ class Exits:
 
     def step(self, action: str) -> tuple[str, float, bool]:
         return "", 0.0, True
+

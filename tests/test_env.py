@@ -14,7 +14,7 @@ from conftest import REPO
 from environments import Calculator, GuessNumber, PythonTool, calculate
 from forge_core.config import ForgeError
 from forge_core.engine import SamplingConfig
-from forge_core.env import EnvConfig, _observation_ids, load_env, run_episodes
+from forge_core.env import EnvConfig, observation_ids, load_env, run_episodes
 from forge_core.model import turn_end
 from forge_core.rollout import Rollout
 from train_grpo import ENVIRONMENTS_PY, LossConfig, grpo_loss, loss_scale
@@ -88,16 +88,16 @@ def test_python_tool_runs_model_code_in_the_sandbox():
 def test_observation_is_inline_or_the_templates_next_message(tiny):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(tiny / "init")
-    inline = _observation_ids(tokenizer, "<result>42</result>", ending="tool", role="user", max_tokens=32,
+    inline = observation_ids(tokenizer, "<result>42</result>", ending="tool", role="user", max_tokens=32,
                               end_text=turn_end(tokenizer).text)
     assert tokenizer.decode(inline) == "<result>42</result>"
-    message = _observation_ids(tokenizer, "higher", ending="end", role="user", max_tokens=32,
+    message = observation_ids(tokenizer, "higher", ending="end", role="user", max_tokens=32,
                               end_text=turn_end(tokenizer).text)
     assert tokenizer.decode(message) == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
-    cut = _observation_ids(tokenizer, "123456789", ending="tool", role="user", max_tokens=4,
+    cut = observation_ids(tokenizer, "123456789", ending="tool", role="user", max_tokens=4,
                           end_text=turn_end(tokenizer).text)
     assert tokenizer.decode(cut) == "1234"
-    after_a_cut = _observation_ids(tokenizer, "higher", ending="cut", role="user", max_tokens=32,
+    after_a_cut = observation_ids(tokenizer, "higher", ending="cut", role="user", max_tokens=32,
                                   end_text=turn_end(tokenizer).text)
     assert tokenizer.decode(after_a_cut) == "<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
 
@@ -126,7 +126,7 @@ def test_a_turn_ends_where_the_template_ends_it_when_that_is_not_eos(tiny, templ
     tokenizer.chat_template = template
     found = turn_end(tokenizer)
     assert found.text == end and found.ids == tuple(tokenizer.convert_tokens_to_ids([end, "<|end_of_text|>"]))
-    message = _observation_ids(tokenizer, "higher", ending="end", role="user", max_tokens=32, end_text=found.text)
+    message = observation_ids(tokenizer, "higher", ending="end", role="user", max_tokens=32, end_text=found.text)
     assert tokenizer.decode(message) == header
 
 

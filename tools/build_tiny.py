@@ -6,9 +6,11 @@ two-digit multiplication with calculator traces for the calculator environment, 
     python tools/build_tiny.py --task calculator --out artifacts/tiny_calculator
     python tools/build_tiny.py --task guess --out artifacts/tiny_guess      # + data/games.jsonl for GRPO
     python tools/build_tiny.py --arch qwen3 --out artifacts/tiny_qwen3    # the same task on a tiny Qwen3
+    python tools/build_tiny.py --task tictactoe --out artifacts/tiny_tictactoe    # OpenSpiel's, random play
 """
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -18,7 +20,9 @@ import tyro
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from forge_core.tasks import addition_rows, guess_rows, multiplication_rows
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # environments.py is a module at the repo root
+from environments import OpenSpielGame  # noqa: E402
+from forge_core.tasks import addition_rows, guess_rows, multiplication_rows  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -29,7 +33,7 @@ TOOL_TAGS = ["<calc>", "</calc>", "<result>", "</result>"]
 @dataclass
 class BuildConfig:
     out: Path = Path("artifacts/tiny")
-    task: Literal["addition", "calculator", "guess"] = "addition"
+    task: Literal["addition", "calculator", "guess", "tictactoe", "kuhn_poker"] = "addition"
     arch: Literal["llama", "qwen3"] = "llama"   # qwen3: grouped-query attention and q/k norms (the GPU configs')
     digits: int = 2                     # operands below 10**digits: learnable from scratch in about a minute
     train_rows: int = 5000
@@ -41,6 +45,7 @@ class BuildConfig:
     num_layers: int = 4
     intermediate_size: int = 512
     num_heads: int = 4
+    max_positions: int | None = None    # None: 128, a game's 256 (a seat's whole game is one sequence)
 
 
 def build_tokenizer(corpus: list[str], whole_tokens: list[str]) -> PreTrainedTokenizerFast:
@@ -59,15 +64,38 @@ def build_tokenizer(corpus: list[str], whole_tokens: list[str]) -> PreTrainedTok
 
 
 def build_model(cfg: BuildConfig, tokenizer) -> LlamaForCausalLM | Qwen3ForCausalLM:
+    positions = cfg.max_positions or (256 if cfg.task in GAMES else 128)
     shape = dict(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
                  intermediate_size=cfg.intermediate_size, num_attention_heads=cfg.num_heads,
-                 max_position_embeddings=128, tie_word_embeddings=True, bos_token_id=None,
+                 max_position_embeddings=positions, tie_word_embeddings=True, bos_token_id=None,
                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(cfg.seed)
     if cfg.arch == "qwen3":     # half as many key/value heads as query heads, like Qwen3-1.7B and -8B
         return Qwen3ForCausalLM(Qwen3Config(**shape, num_key_value_heads=cfg.num_heads // 2,
                                             head_dim=cfg.hidden_size // cfg.num_heads))
     return LlamaForCausalLM(LlamaConfig(**shape, num_key_value_heads=cfg.num_heads))
+
+
+GAMES = {"tictactoe": dict(game="tic_tac_toe", list_moves=True, numbered=True),
+         "kuhn_poker": dict(game="kuhn_poker", view="information_state", list_moves=True)}
+
+
+def random_play_rows(num_games: int, seed: int, **game_args) -> list[dict]:
+    """Games of uniformly random legal moves (environments.py:OpenSpielGame's messages), one SFT row per move:
+    `prompt` the mover's conversation so far, `response` its move."""
+    rows = []
+    for k in range(num_games):
+        game = OpenSpielGame(**game_args)
+        game.reset({"seed": seed * 1_000_003 + k, "episode": k})
+        talks = {}
+        while (seat := game.current_player()) >= 0:
+            talk = talks.setdefault(seat, [])
+            talk.append({"role": "user", "content": game.observation(seat)})
+            move = game.bot_move("random")
+            rows.append({"prompt": list(talk), "response": move, "answer": ""})
+            talk.append({"role": "assistant", "content": move})
+            game.step(move)
+    return rows
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -84,6 +112,11 @@ def main(cfg: BuildConfig) -> None:
         train_rows, eval_rows = guess_rows(cfg.train_rows // 4, cfg.seed), guess_rows(cfg.eval_rows // 4, cfg.seed + 1)
         write_jsonl(cfg.out / "data" / "games.jsonl", [{"prompt": eval_rows[0]["prompt"][0]["content"],
                                                          "answer": str(n)} for n in range(1, 17)])
+    elif cfg.task in GAMES:    # SFT rows are the moves of random legal play; GRPO rows are games (their seeds)
+        train_rows = random_play_rows(cfg.train_rows // 8, cfg.seed, **GAMES[cfg.task])
+        eval_rows = random_play_rows(cfg.eval_rows // 8, cfg.seed + 1, **GAMES[cfg.task])
+        write_jsonl(cfg.out / "data" / "games.jsonl", [{"game": cfg.task, "seed": k} for k in range(10_000)])
+        write_jsonl(cfg.out / "data" / "eval_games.jsonl", [{"game": cfg.task, "seed": k} for k in range(10_000, 11_000)])
     else:
         eval_rows = multiplication_rows(cfg.eval_rows, seed=cfg.seed + 1)
         train_rows = multiplication_rows(cfg.train_rows, seed=cfg.seed, exclude={r["prompt"] for r in eval_rows},
