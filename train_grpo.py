@@ -477,8 +477,9 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, 
 
     def held_out() -> dict[str, float]:
         if game:
-            return evaluate_games(sample_eval, len(eval_rows), cfg.game.eval_opponents, env_class(**cfg.env.args).players,
-                                  roles.policy_ranks.index(roles.rank), roles.groups["policy"])
+            return evaluate_games(sample_eval, len(eval_rows), cfg.game.eval_opponents,
+                                  env_class(**cfg.env.args).players, roles.policy_ranks.index(roles.rank),
+                                  roles.groups["policy"])
         return evaluate(sample_eval, tokenizer, eval_rows, roles, cfg.engine.tensor_parallel_size, accuracy,
                         cfg.train.eval_sampled)
 

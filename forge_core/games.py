@@ -380,8 +380,10 @@ def evaluate_games(sample, num_games: int, opponents: list[str], players: int, m
 
 def describe_games(start: dict, end: dict, opponents: list[str], games: int) -> str:
     """The run's held-out figures, before and after: score against each opponent, illegal moves."""
+    def se(o: str) -> float:
+        return max(start[f"eval/score_se_vs_{o}"], end[f"eval/score_se_vs_{o}"])
     lines = [f"score vs {o}: {start[f'eval/score_vs_{o}']:.3f} -> {end[f'eval/score_vs_{o}']:.3f} "
-             f"({int(end['eval/games'])} games, s.e. {max(start[f'eval/score_se_vs_{o}'], end[f'eval/score_se_vs_{o}']):.3f})"
+             f"({int(end['eval/games'])} games, s.e. {se(o):.3f})"
              f"; mean return {start[f'eval/return_vs_{o}']:.3f} -> {end[f'eval/return_vs_{o}']:.3f}" for o in opponents]
     return "\n".join(lines + [f"illegal moves: {start['eval/illegal_rate']:.3f} -> {end['eval/illegal_rate']:.3f} of "
                               "moves (held-out, greedy)"])

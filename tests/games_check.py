@@ -27,7 +27,8 @@ from sync_check import fuse_like_vllm
 from train_grpo import LossConfig, grpo_loss, group_advantages, loss_scale, token_logprobs
 
 G = 4
-ENV = EnvConfig(args={"game": "tic_tac_toe", "list_moves": True, "numbered": True}, max_turns=6, max_episode_tokens=200, max_observation_tokens=48)
+ENV = EnvConfig(args={"game": "tic_tac_toe", "list_moves": True, "numbered": True}, max_turns=6,
+                max_episode_tokens=200, max_observation_tokens=48)
 SAMPLING = SamplingConfig(num_generations=G, max_tokens=8)
 
 
@@ -76,8 +77,8 @@ def main(model_dir: str, out_dir: str) -> None:
         real = rollout.completion_mask[i].bool()
         own.append(turns(tokenizer, ids[real], mask[real], True) == [a for s, a in game.moves if s == seat]
                    and int(rollout.episode["seat"][i]) == seat)
-        opponents_seen.append(all(a not in "".join(turns(tokenizer, ids[real], mask[real], True))
-                                  for s, a in game.moves if s != seat and a not in [x for t, x in game.moves if t == seat]))
+        mine, own = "".join(turns(tokenizer, ids[real], mask[real], True)), [a for s, a in game.moves if s == seat]
+        opponents_seen.append(all(a not in mine for s, a in game.moves if s != seat and a not in own))
     result["own_moves"], result["opponent_moves_not_model_tokens"] = all(own), all(opponents_seen)
     result["trajectories"], result["games"] = len(rollout), len(games)
     result["illegal_moves_self_play"] = rollout.episode["illegal"].sum().item()
@@ -122,7 +123,8 @@ def main(model_dir: str, out_dir: str) -> None:
         result[f"illegal_{mode}"] = {"illegal": rollout.episode["illegal"].tolist(),
                                      "turns": rollout.episode["turns"].tolist(),
                                      "returns": rollout.episode["return"].tolist(),
-                                     "reasons": [sum("No move is legal here." in o for o in obs) for obs in observations]}
+                                     "reasons": [sum("No move is legal here." in o for o in obs)
+                                                 for obs in observations]}
 
     # the frozen engine keeps the start model while the trainer and its engine move on; a refresh copies them
     rollout, _ = play(engines, tokenizer, RecordingGame, ["frozen"] * 2, [0, 1])

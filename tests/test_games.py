@@ -70,7 +70,8 @@ def test_selfplay_learns_tictactoe(tictactoe_sft, tmp_path):
 
 def test_rae_baselines_survive_a_resume(tictactoe_sft, tmp_path):
     """RAE's EMA baselines are in the checkpoint: a run stopped at step 2 and resumed logs the straight run's
-    step 3; half the games in self-play, a quarter each against a frozen opponent (its own engine) and the random bot."""
+    step 3; half the games in self-play, a quarter each against a frozen opponent (its own engine) and the random
+    bot."""
     config = tmp_path / "mixed.yaml"
     config.write_text((REPO / "configs/grpo/tiny_tictactoe.yaml").read_text().replace(
         "    self: 1.0", "    self: 0.5\n    frozen: 0.25\n    random: 0.25"))

@@ -116,7 +116,8 @@ def main(cfg: BuildConfig) -> None:
         train_rows = random_play_rows(cfg.train_rows // 8, cfg.seed, **GAMES[cfg.task])
         eval_rows = random_play_rows(cfg.eval_rows // 8, cfg.seed + 1, **GAMES[cfg.task])
         write_jsonl(cfg.out / "data" / "games.jsonl", [{"game": cfg.task, "seed": k} for k in range(10_000)])
-        write_jsonl(cfg.out / "data" / "eval_games.jsonl", [{"game": cfg.task, "seed": k} for k in range(10_000, 11_000)])
+        write_jsonl(cfg.out / "data" / "eval_games.jsonl",
+                    [{"game": cfg.task, "seed": k} for k in range(10_000, 11_000)])
     else:
         eval_rows = multiplication_rows(cfg.eval_rows, seed=cfg.seed + 1)
         train_rows = multiplication_rows(cfg.train_rows, seed=cfg.seed, exclude={r["prompt"] for r in eval_rows},
