@@ -32,7 +32,8 @@ from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, in
 from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check_kv_cache, check_tensor_parallel,
                                context_length, engine_dtype, engine_group, generate, join_engine_groups)
 from forge_core.env import EnvConfig, load_env, run_episodes, stop_strings
-from forge_core.games import RAE, GameConfig, check_game, describe_games, evaluate_games, game_sampler, is_game
+from forge_core.games import (RAE, GameConfig, check_game, describe_games, evaluate_games, game_sampler, is_game,
+                               opponents_of)
 from forge_core.exchange import receive_scores, send_rollout, serve
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics, rollout_metrics
@@ -600,6 +601,7 @@ def main() -> None:
     check_config(cfg, roles.dist.world_size, roles.dist.ranks_per_node)
     load_reward_functions(cfg.rewards, REWARDS_PY)    # a typo in a reward or env name fails here, on every rank
     env_class = load_env(cfg.env, ENVIRONMENTS_PY)    # before any work
+    game = is_game(env_class, cfg.env)                # builds one: a game OpenSpiel lacks fails here
     tokenizer = load_tokenizer(cfg.model)
     check_tensor_parallel(cfg.engine, cfg.model)
     context = context_length(cfg.engine, cfg.model)
@@ -619,7 +621,7 @@ def main() -> None:
     if len(eval_rows) < len(roles.policy_ranks):     # each policy rank evaluates a share of them
         raise ForgeError(f"config error: {len(eval_rows)} held-out row(s) from {cfg.data.eval_path} (data.eval_rows="
                          f"{cfg.data.eval_rows}) for {len(roles.policy_ranks)} policy ranks: give each at least one")
-    if is_game(env_class, cfg.env):
+    if game:
         check_game(env_class, cfg.env, cfg.game, rows[0], cfg.train.prompts_per_step // len(roles.policy_ranks),
                    cfg.sampling.num_generations, cfg.train.mini_batches, cfg.engine.tensor_parallel_size)
     torch.manual_seed(cfg.train.seed)
@@ -648,7 +650,7 @@ def main() -> None:
             rae_state = meta.get("rae")
     start_step = exchange(start_step)[0]     # every role walks the same steps
     engines = {"policy": None, "frozen": None}
-    frozen = is_game(env_class, cfg.env) and "frozen" in cfg.game.opponents
+    frozen = game and "frozen" in opponents_of(cfg.game)
     for player in ("policy", "frozen")[:1 + frozen]:    # a frozen opponent: an engine of its own (docs/design.md)
         engines[player] = build_engine(cfg.model.path, cfg.engine, cfg.train.seed, roles) if roles.is_policy \
             else join_engine_groups(roles)

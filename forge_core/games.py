@@ -91,7 +91,7 @@ def check_game(env_class, env_cfg: EnvConfig, cfg: GameConfig, row: dict, rows_p
                          f"not {tensor_parallel_size}")
     game = env_class(**env_cfg.args)
     players, bots = game.players, tuple(getattr(game, "bots", ()))
-    known = (*("self", "frozen"), *bots)
+    known = ("self", "frozen", *bots)
     for name in opponents_of(cfg):
         if name not in known:
             raise ForgeError(f"config error: game opponent '{name}' is none of {list(known)} "

@@ -86,14 +86,14 @@ def test_rae_baselines_survive_a_resume(tictactoe_sft, tmp_path):
     assert {"0:0", "0:1"} <= set(meta["rae"]) <= {"0:0", "0:1", "1:0", "1:1", "2:0", "2:1"}   # (opponent, seat)
 
 
-def test_bad_games_fail_in_one_line(tictactoe_sft, tmp_path):
+def test_bad_games_fail_in_one_line(tmp_path):
     """A game OpenSpiel does not know fails at start-up, before any model loads; an environment whose players and
     turns disagree, and a move for a finished game, are one-line errors too."""
     config = tmp_path / "bad.yaml"
     config.write_text((REPO / "configs/grpo/tiny_tictactoe.yaml").read_text().replace("game: tic_tac_toe",
                                                                                     "game: tic_tac_tow"))
     proc = run_script("train_grpo.py", ["--config", str(config), "--layout.policy", "1", "--train.prompts_per_step",
-                                        "8"], nproc=1, check=False)
+                                        "8", "--model.path", str(tmp_path / "no_model")], nproc=1, check=False)
     assert_clean_error(proc, "train_grpo.py", "OpenSpiel has no game 'tic_tac_tow' (did you mean tic_tac_toe")
     with pytest.raises(ForgeError, match="players and turns disagree"):
         check_game(SeatlessGame, EnvConfig(), GameConfig(), {"seed": 0}, 8, 8, 1, 1)
