@@ -547,7 +547,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, 
         export_dir = export_path(cfg.out_dir, cfg.export_dir)
         export_hf(policy, tokenizer, export_dir, roles.groups["policy"], adapter=cfg.model.lora.save_adapter)
         log.print(f"exported {export_dir}")
-    log.print(describe_games(start_accuracy, accuracy_now, cfg.game.eval_opponents, len(eval_rows)) if game else
+    log.print(describe_games(start_accuracy, accuracy_now, cfg.game.eval_opponents) if game else
               describe_accuracy(start_accuracy, accuracy_now, cfg, steps, len(eval_rows), tools))
     log.print(f"summary: {steps.stop - steps.start} GRPO steps in {time.perf_counter() - started:.0f} s took greedy "
               f"held-out accuracy from {start_accuracy['eval/accuracy']:.3f} to {accuracy_now['eval/accuracy']:.3f} "

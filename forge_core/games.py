@@ -378,7 +378,7 @@ def evaluate_games(sample, num_games: int, opponents: list[str], players: int, m
     return out
 
 
-def describe_games(start: dict, end: dict, opponents: list[str], games: int) -> str:
+def describe_games(start: dict, end: dict, opponents: list[str]) -> str:
     """The run's held-out figures, before and after: score against each opponent, illegal moves."""
     def se(o: str) -> float:
         return max(start[f"eval/score_se_vs_{o}"], end[f"eval/score_se_vs_{o}"])
