@@ -23,7 +23,7 @@ $(BIN)/torchrun --standalone --nproc_per_node $(or $(3),3) train_grpo.py --confi
 echo "make $@: SFT + GRPO took $$(( $$(date +%s) - start )) s"
 endef
 
-.PHONY: setup run run-lora run-agent run-guess run-selfplay run-kuhn run-qwen3 run-smol run-smol-lora run-smol-tool test bench
+.PHONY: setup run run-lora run-agent run-guess run-selfplay run-kuhn run-qwen3 run-smol run-smol-lora run-smol-tool run-smol-selfplay test bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -95,6 +95,10 @@ artifacts/gsm8k_style/train.jsonl: tools/make_gsm8k_style.py | setup
 # the slip
 run-smol: setup artifacts/smollm2-135m/converted.json artifacts/gsm8k_style/train.jsonl
 	$(call sft_then_grpo,configs/sft/smollm2_gsm8k_style.yaml,configs/grpo/smollm2_gsm8k_style.yaml,2)
+
+# SmolLM2-135M-Instruct learns TicTacToe's move format (SFT on random legal play, 2 ranks), then self-play GRPO
+run-smol-selfplay: setup artifacts/smollm2-135m/converted.json artifacts/tiny_tictactoe/init/config.json
+	$(call sft_then_grpo,configs/sft/smollm2_tictactoe.yaml,configs/grpo/smollm2_tictactoe.yaml,2)
 
 artifacts/gsm8k_python/train.jsonl: tools/make_gsm8k_style.py environments.py | setup
 	$(BIN)/python tools/make_gsm8k_style.py --out artifacts/gsm8k_python --label-noise 0.7 --python-share 0.2

@@ -14,6 +14,7 @@ empty gets its observations as chat messages instead (the chat-template way, for
 """
 
 import ast
+import copy
 import difflib
 import functools
 import operator
@@ -135,11 +136,13 @@ class OpenSpielGame:
     `list_moves`; a move is one of them as OpenSpiel writes it (`x(1,1)`, `Bet`) or its action number (`numbered`:
     moves are listed and the bots write them as numbers, TicTacToe's cells 0-8: one token each). Chance
     nodes are drawn from the row's `seed` (a GRPO group's games share their deals); the bots' draws differ per game.
-    Bots: `random`, and for perfect-information games `mcts` (OpenSpiel's MCTSBot, `mcts_simulations` per move)."""
+    Bots: `random`, and for perfect-information games `mcts` (OpenSpiel's MCTSBot, `mcts_simulations` per move).
+    `exploitability`: held-out evaluations also read the model's policy out at every information state and report
+    OpenSpiel's exploitability of it (two-player zero-sum games with few states: Kuhn Poker's 12)."""
 
     def __init__(self, game: str = "tic_tac_toe", view: str = "observation", list_moves: bool = False,
-                 numbered: bool = False, mcts_simulations: int = 100):
-        self.game, self.name = _openspiel_game(game), game
+                 numbered: bool = False, mcts_simulations: int = 100, exploitability: bool = False):
+        self.game, self.name, self.report_exploitability = _openspiel_game(game), game, exploitability
         self.players = self.game.num_players()
         self.information_state = view == "information_state"
         self.list_moves, self.numbered, self.mcts_simulations = list_moves, numbered, mcts_simulations
@@ -192,6 +195,33 @@ class OpenSpielGame:
         else:
             action = self.bot_draws.choice(self.state.legal_actions())
         return self._written(action)
+
+    def exploitability(self, policy) -> float | None:
+        """OpenSpiel's exploitability of `policy`: for each chat (the mover's views and own moves up to an
+        information state, its legal moves) the probability of each legal move. None unless asked for."""
+        if not self.report_exploitability:
+            return None
+        from open_spiel.python import policy as policy_lib
+        from open_spiel.python.algorithms import exploitability
+        table = policy_lib.TabularPolicy(self.game)
+        for state, probabilities in zip(table.states, policy([self._chat(state) for state in table.states])):
+            row = table.policy_for_key(state.information_state_string())
+            row[:] = 0.0
+            row[state.legal_actions()] = probabilities
+        return float(exploitability.exploitability(self.game, table))
+
+    def _chat(self, state) -> tuple[list[str], list[str], list[str]]:
+        """What the seat to move at `state` saw and played to get there (perfect recall): its views, its own
+        moves between them, and its legal moves now."""
+        seat, replay = state.current_player(), copy.copy(self)
+        replay.state, replay.introduced = self.game.new_initial_state(), set()
+        views, moves = [], []
+        for action in state.history():
+            if replay.state.current_player() == seat:
+                views.append(replay.observation(seat))
+                moves.append(replay._written(action))
+            replay.state.apply_action(action)
+        return [*views, replay.observation(seat)], moves, replay._legal()
 
     def _legal(self) -> list[str]:
         return [self._written(a) for a in self.state.legal_actions()]

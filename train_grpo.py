@@ -32,8 +32,8 @@ from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, in
 from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check_kv_cache, check_tensor_parallel,
                                context_length, engine_dtype, engine_group, generate, join_engine_groups)
 from forge_core.env import EnvConfig, load_env, run_episodes, stop_strings
-from forge_core.games import (RAE, GameConfig, check_game, describe_games, evaluate_games, game_sampler, is_game,
-                               opponents_of)
+from forge_core.games import (RAE, GameConfig, check_game, describe_games, evaluate_games, exploitability_metrics,
+                              game_sampler, is_game, opponents_of)
 from forge_core.exchange import receive_scores, send_rollout, serve
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics, rollout_metrics
@@ -44,6 +44,7 @@ from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_s
 from forge_core.rollout import Rollout, balanced_share, engine_share, shared_prompt_rows
 from forge_core.scoring import (RewardModel, accuracy_scorer, function_names, load_reward_functions, reward_pool,
                                 score)
+from forge_core.snapshots import SnapshotPool
 from forge_core.sync import WeightSync
 from forge_core.weights import build_model, export_hf
 
@@ -364,12 +365,13 @@ def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles, t
     return out
 
 
-def sampler(engines: dict, tokenizer, rows: list[dict], cfg: GRPOConfig, env_class) -> Callable[..., Rollout]:
+def sampler(engines: dict, tokenizer, rows: list[dict], cfg: GRPOConfig, env_class,
+            pool: SnapshotPool | None) -> Callable[..., Rollout]:
     """`sample(row indices, seed, greedy)` -> Rollout: G completions per prompt, or G episodes or games per row
     (a game's: against the opponents `deal` gives each row, or all `against` one, the policy in seat i % players)."""
     engine = engines["policy"]
     if is_game(env_class, cfg.env):
-        return game_sampler(engines, tokenizer, env_class, rows, cfg.sampling, cfg.env, cfg.game)
+        return game_sampler(engines, tokenizer, env_class, rows, cfg.sampling, cfg.env, cfg.game, pool)
     prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in rows] if env_class is None else None
     group, turn_end_ids = engine_group(cfg.engine), turn_end(tokenizer).ids     # a completion ends with its turn
 
@@ -443,7 +445,8 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
 
 
 def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, eval_rows, steps: range,
-                 ckpt: Checkpointer, policy, optim, sched, in_flight: Rollout | None, rae_state: dict | None) -> None:
+                 ckpt: Checkpointer, policy, optim, sched, resumed: dict) -> None:
+    """`resumed`: what a checkpoint kept besides the weights: the rollout in flight, RAE's baselines, the pool."""
     env_class = load_env(cfg.env, ENVIRONMENTS_PY)
     game = is_game(env_class, cfg.env)
     accuracy_name = cfg.rewards.accuracy or ("env" if env_class else function_names(cfg.rewards)[0])
@@ -453,16 +456,16 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, 
                     *(("episode/tool_calls",) if tools else ()), *(game_keys if game else ()),
                     "perf/generate_tokens_per_s", "time/step", *(() if game else ("eval/accuracy",)),
                     "eval/accuracy_sampled", *(("eval/tool_use",) if tools else ()))
-    sample, sample_eval = (sampler(engines, tokenizer, r, cfg, env_class) for r in (rows, eval_rows))
+    # the frozen opponent's engine: the start model, or the pool of the policy's last refreshes
+    refresh = cfg.game.frozen_refresh_every if engines["frozen"] is not None else 0
+    snapshots = SnapshotPool(WeightSync(policy, engines["frozen"]) if refresh else None, cfg.game.pool_size,
+                             roles.groups["policy"], resumed.get("pool")) if engines["frozen"] is not None else None
+    sample, sample_eval = (sampler(engines, tokenizer, r, cfg, env_class, snapshots) for r in (rows, eval_rows))
     G = cfg.sampling.num_generations
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=steps.start)
     bad_steps = BadSteps(cfg.train.max_bad_steps, log.print)
     weight_sync = WeightSync(policy, engines["policy"], cfg.engine.tensor_parallel_size)  # engine = trainer's weights
-    # the frozen opponent's engine: the start model, or (refreshed) the policy of the last refresh; a resumed
-    # run's refreshes at the start (its snapshot is the checkpoint's policy)
-    refresh = cfg.game.frozen_refresh_every if engines["frozen"] is not None else 0
-    frozen_sync = WeightSync(policy, engines["frozen"]) if refresh else None
-    rae = RAE(cfg.game.rae_decay, rae_state) if game and cfg.game.advantage == "rae" else None
+    rae = RAE(cfg.game.rae_decay, resumed.get("rae")) if game and cfg.game.advantage == "rae" else None
     on_gpu = roles.dist.device.type == "cuda"
     kernels = "" if on_gpu else f", CPU GEMMs {linear_kernel(cfg.fsdp)}"
     log.print(f"grpo: trainer {'bf16' if bf16_chosen(cfg.fsdp.mixed_precision, on_gpu) else 'fp32'}, engine "
@@ -480,7 +483,8 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, 
         if game:
             return evaluate_games(sample_eval, len(eval_rows), cfg.game.eval_opponents,
                                   env_class(**cfg.env.args).players, roles.policy_ranks.index(roles.rank),
-                                  roles.groups["policy"])
+                                  roles.groups["policy"]) | \
+                exploitability_metrics(engines["policy"], tokenizer, env_class(**cfg.env.args), cfg.env)
         return evaluate(sample_eval, tokenizer, eval_rows, roles, cfg.engine.tensor_parallel_size, accuracy,
                         cfg.train.eval_sampled)
 
@@ -497,7 +501,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, 
         attach_advantages(rollout, cfg.loss, G, roles.groups["policy"], rae)
         rollout.seconds["score"] += time.perf_counter() - t
 
-    rollouts = sent_rollouts(sample, len(rows), steps, cfg, roles, in_flight)
+    rollouts = sent_rollouts(sample, len(rows), steps, cfg, roles, resumed.get("in_flight"))
     last_step_end = time.perf_counter()
     for step, (rollout, in_flight) in zip(steps, rollouts):
         t_start, sent = time.perf_counter(), rollout.seconds["score"]
@@ -512,7 +516,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, 
         # a held-out figure is of the trainer's weights, and a resumed run's engine starts from the checkpoint's
         sync = weight_sync() if done % cfg.train.sync_every == 0 or evaluating or saving else None
         if refresh and done % refresh == 0:     # a new snapshot for the frozen opponent
-            frozen_sync()
+            snapshots.add()
         t_sync = time.perf_counter()
 
         metrics = rollout_metrics(rollout, roles.groups["policy"], accuracy_name) | stats
@@ -537,7 +541,8 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, 
         if saving:
             ckpt.save_due(done, policy, optim, {"scheduler": sched.state_dict(), "config": config_to_dict(cfg),
                                                 "rae": rae and rae.state_dict()},
-                          rank_state={"in_flight": None if in_flight is None else vars(in_flight)})
+                          rank_state={"in_flight": None if in_flight is None else vars(in_flight),
+                                      "pool": snapshots.state_dict() if snapshots else []})
         if cfg.ckpt.export_every and done % cfg.ckpt.export_every == 0:
             export_hf(policy, tokenizer, Path(cfg.out_dir) / f"hf_step_{done:06d}", roles.groups["policy"],
                       adapter=cfg.model.lora.save_adapter)
@@ -628,7 +633,8 @@ def main() -> None:
 
     # Policy ranks load and shard the model and restore the checkpoint before the engine starts, so the
     # engine is built from (and synced with) the weights training continues from.
-    policy = optim = sched = ckpt = path = in_flight = rae_state = None
+    policy = optim = sched = ckpt = path = None
+    resumed = {}
     start_step, export_dir = 0, export_path(cfg.out_dir, cfg.export_dir)
     if roles.is_policy:
         ckpt = Checkpointer(cfg.out_dir, cfg.ckpt, group=roles.groups["policy"])
@@ -645,9 +651,9 @@ def main() -> None:
             meta = ckpt.load(path, policy, optim, cfg.train.steps)
             sched.load_state_dict(meta["scheduler"])
             start_step = meta["step"]
-            kept = ckpt.rank_state(path)
-            in_flight = Rollout(**kept["in_flight"]) if kept and kept["in_flight"] else None
-            rae_state = meta.get("rae")
+            kept = ckpt.rank_state(path) or {}
+            resumed = {"in_flight": Rollout(**kept["in_flight"]) if kept.get("in_flight") else None,
+                       "rae": meta.get("rae"), "pool": kept.get("pool")}
     start_step = exchange(start_step)[0]     # every role walks the same steps
     engines = {"policy": None, "frozen": None}
     frozen = game and "frozen" in opponents_of(cfg.game)
@@ -668,8 +674,7 @@ def main() -> None:
     elif roles.is_reward:
         serve(reward_answerer(cfg, roles, tokenizer, rows), steps, cfg.train.one_step_off, roles)
     else:
-        train_policy(cfg, roles, engines, tokenizer, rows, eval_rows, steps, ckpt, policy, optim, sched, in_flight,
-                     rae_state)
+        train_policy(cfg, roles, engines, tokenizer, rows, eval_rows, steps, ckpt, policy, optim, sched, resumed)
         release(roles.dist, "policy_done")
     close_dist()
 

@@ -15,6 +15,7 @@ down into these modules, one concern each:
     sync      FSDP shards into the engines by collectives (never through files)
     env       multi-turn episodes: the environment protocol and the turn loop
     games     games with seats: who plays each (self, a frozen snapshot, bots), the rounds, RAE, held-out play
+    snapshots the frozen opponent's pool of past policy snapshots, each rank a share, drawn per row
     sandbox   running model-written code isolated and bounded
     rootfs    a sandboxed call's root: the host's system directories read-only, a private /tmp; the mount table
     cgroups   a sandboxed call's cgroups (v1 or v2): its memory, processes and CPU; the memory of calls at once

@@ -22,7 +22,7 @@ mover gets `game.illegal_reward`, the others 0. Either way it is counted (`episo
 Who plays (`game.opponents`: a share of each step's rows against each, in config order): `self` (the policy in
 every seat, every seat trained, each seat's G games of a row a GRPO group of their own), `frozen` (the start
 model, or the policy of every `frozen_refresh_every` steps: a second engine on the policy ranks, which the
-trainer never updates), or one of the game's `bots` (OpenSpiel's random and MCTS players). Against an opponent
+trainer never updates; with `pool_size` N, each row draws one of the last N snapshots, forge_core/snapshots.py), or one of the game's `bots` (OpenSpiel's random and MCTS players). Against an opponent
 the policy plays one seat, the row's `(row id + step) % players`, and only that seat trains.
 
 Advantages (`game.advantage`): `grpo`, each (row, seat) group's returns against their mean and std; or `rae`,
@@ -39,7 +39,7 @@ from typing import Callable, Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import NonNegativeInt
+from pydantic import NonNegativeInt, PositiveInt
 from torch import Tensor
 
 from .config import ForgeError
@@ -50,10 +50,12 @@ from .env import EnvConfig, Episode, bounded_calls, env_error, observation_ids, 
 from .metrics import reduce_metrics
 from .model import turn_end
 from .processes import descendants
-from .rollout import Rollout
+from .rollout import Rollout, cat_rollouts
+from .snapshots import SnapshotPool
 
 __all__ = ["GameConfig", "is_game", "check_game", "opponents_of", "deal", "game_sampler", "play_games", "RAE",
-           "game_outcomes", "evaluate_games", "describe_games"]
+           "game_outcomes", "evaluate_games", "exploitability_metrics", "move_probabilities", "move_prompts",
+           "describe_games"]
 
 ENGINE_PLAYERS = ("policy", "frozen")
 
@@ -66,6 +68,7 @@ class GameConfig:
     illegal_reward: float = -1.0        # the return of a seat that lost by an illegal move (the others get 0)
     illegal_cost: float = 0.0           # "retry": taken from the mover's return for each illegal move it retried
     frozen_refresh_every: NonNegativeInt = 0   # steps between snapshots of the policy for `frozen`; 0 = the start model
+    pool_size: PositiveInt = 1          # `frozen` rows draw one of the last N snapshots (fictitious self-play)
     advantage: Literal["grpo", "rae"] = "grpo"
     rae_decay: float = 0.95             # RAE's EMA: baseline <- decay * baseline + (1 - decay) * mean return
     eval_opponents: list[str] = field(default_factory=lambda: ["random"])   # held-out play (data.eval_rows games
@@ -96,6 +99,9 @@ def check_game(env_class, env_cfg: EnvConfig, cfg: GameConfig, row: dict, rows_p
         if name not in known:
             raise ForgeError(f"config error: game opponent '{name}' is none of {list(known)} "
                              f"({type(game).__name__}'s bots: {list(bots)})")
+    if cfg.pool_size > 1 and not cfg.frozen_refresh_every:
+        raise ForgeError(f"config error: game.pool_size={cfg.pool_size} needs game.frozen_refresh_every > 0 "
+                         "(without refreshes the pool holds the start model alone)")
     if "self" in cfg.eval_opponents:
         raise ForgeError("config error: game.eval_opponents: 'self' has no score (both seats are the policy)")
     if abs(sum(cfg.opponents.values()) - 1) > 1e-6 or min(cfg.opponents.values()) < 0:
@@ -124,16 +130,37 @@ def deal(cfg: GameConfig, row_ids: list[int], step_seed: int, players: int) -> t
 
 
 def game_sampler(engines: dict, tokenizer, game_class, rows: list[dict], sampling: SamplingConfig, env_cfg: EnvConfig,
-                 cfg: GameConfig) -> Callable[..., Rollout]:
+                 cfg: GameConfig, pool: SnapshotPool | None = None) -> Callable[..., Rollout]:
     """`sample(row indices, seed, greedy, against=None)` -> Rollout: G games per row against the opponents `deal`
-    gives the rows, or all against `against`, the policy in seat i % players of row i."""
+    gives the rows, or all against `against`, the policy in seat i % players of row i. A `frozen` row plays the
+    pool's snapshot it draws: the rows of each snapshot any rank drew are played after it is loaded (the first
+    with the other rows); held-out games play the newest."""
     players = game_class(**env_cfg.args).players
 
-    def sample(index: list[int], seed: int, greedy: bool = False, against: str | None = None) -> Rollout:
-        opponents, seats = deal(cfg, index, seed, players) if against is None else \
-            ([against] * len(index), [i % players for i in index])
+    def play(index: list[int], opponents: list[str], seats: list[int], seed: int, greedy: bool) -> Rollout:
         return play_games(engines, tokenizer, game_class, [rows[i] for i in index], index, opponents, seats,
                           sampling, env_cfg, cfg, seed, greedy)
+
+    def sample(index: list[int], seed: int, greedy: bool = False, against: str | None = None) -> Rollout:
+        if against is not None:
+            if against == "frozen":
+                pool.load(-1)
+            return play(index, [against] * len(index), [i % players for i in index], seed, greedy)
+        opponents, seats = deal(cfg, index, seed, players)
+        if pool is None:
+            return play(index, opponents, seats, seed, greedy)
+        drawn = [pool.draw(seed, r) if o == "frozen" else None for o, r in zip(opponents, index)]
+        parts = []
+        for k, snapshot in enumerate(pool.drawn_anywhere([d for d in drawn if d is not None]) or [None]):
+            if snapshot is not None:
+                pool.load(snapshot)
+            mine = [i for i, d in enumerate(drawn) if d == snapshot or (k == 0 and d is None)]
+            if mine:
+                parts.append(play([index[i] for i in mine], [opponents[i] for i in mine], [seats[i] for i in mine],
+                                  seed + 10_000_019 * k, greedy))
+        rollout = cat_rollouts(parts)
+        rollout.seconds = {name: sum(p.seconds[name] for p in parts) for name in parts[0].seconds}
+        return rollout
     return sample
 
 
@@ -378,6 +405,44 @@ def evaluate_games(sample, num_games: int, opponents: list[str], players: int, m
     return out
 
 
+def exploitability_metrics(engine, tokenizer, game, env_cfg: EnvConfig) -> dict[str, float]:
+    """`eval/exploitability` of the engine's moves (T=1) for a game that reports it (`exploitability(policy)`,
+    environments.py:OpenSpielGame), else nothing."""
+    report = getattr(game, "exploitability", None)
+    value = report(lambda chats: move_probabilities(engine, tokenizer, chats, env_cfg)) if report else None
+    return {} if value is None else {"eval/exploitability": value}
+
+
+def move_probabilities(engine, tokenizer, chats: list[tuple[list[str], list[str], list[str]]],
+                       env_cfg: EnvConfig) -> list[list[float]]:
+    """For each chat (a seat's views, its moves between them, its legal moves now), the engine's probability of
+    writing each legal move and ending its turn, renormalized over the legal moves (its prompt logprobs)."""
+    from vllm import SamplingParams
+    prompts, sizes = move_prompts(tokenizer, chats, env_cfg)
+    outputs = engine.generate([{"prompt_token_ids": ids} for ids, _ in prompts],
+                              SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False)
+    scores = torch.tensor([sum(step[token].logprob for step, token in zip(out.prompt_logprobs[-n:], ids[-n:]))
+                           for out, (ids, n) in zip(outputs, prompts)], dtype=torch.float64)
+    return [part.softmax(0).tolist() for part in scores.split(sizes)]
+
+
+def move_prompts(tokenizer, chats, env_cfg: EnvConfig) -> tuple[list[tuple[list[int], int]], list[int]]:
+    """Each chat's context laid out as a game's trajectory is, followed by each legal move and the end of turn:
+    (ids, the move's token count with its end), and the count of legal moves per chat."""
+    end = turn_end(tokenizer)
+    prompts, sizes = [], []
+    for views, moves, legal in chats:
+        context = chat_prompt_ids(tokenizer, views[0])
+        for move, view in zip(moves, views[1:]):
+            context += tokenizer(move, add_special_tokens=False).input_ids + [end.ids[0]]
+            context += observation_ids(tokenizer, view, "end", "user", env_cfg.max_observation_tokens, end.text)
+        for move in legal:
+            written = tokenizer(move, add_special_tokens=False).input_ids + [end.ids[0]]
+            prompts.append((context + written, len(written)))
+        sizes.append(len(legal))
+    return prompts, sizes
+
+
 def describe_games(start: dict, end: dict, opponents: list[str]) -> str:
     """The run's held-out figures, before and after: score against each opponent, illegal moves."""
     def se(o: str) -> float:
@@ -385,5 +450,8 @@ def describe_games(start: dict, end: dict, opponents: list[str]) -> str:
     lines = [f"score vs {o}: {start[f'eval/score_vs_{o}']:.3f} -> {end[f'eval/score_vs_{o}']:.3f} "
              f"({int(end['eval/games'])} games, s.e. {se(o):.3f})"
              f"; mean return {start[f'eval/return_vs_{o}']:.3f} -> {end[f'eval/return_vs_{o}']:.3f}" for o in opponents]
+    if "eval/exploitability" in end:
+        lines.append(f"exploitability: {start['eval/exploitability']:.3f} -> {end['eval/exploitability']:.3f} "
+                     "(OpenSpiel's, of the model's move probabilities at T=1)")
     return "\n".join(lines + [f"illegal moves: {start['eval/illegal_rate']:.3f} -> {end['eval/illegal_rate']:.3f} of "
                               "moves (held-out, greedy)"])

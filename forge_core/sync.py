@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from .lora import Adapted, adapted_weights, hf_name, local_shard, merge
 from .weights import full_tensor, hf_tensors
 
-__all__ = ["SyncStats", "WeightSync", "engine_state_dict"]
+__all__ = ["SyncStats", "Snapshot", "WeightSync", "engine_state_dict"]
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # vLLM: HF parts
 
@@ -37,10 +37,19 @@ class SyncStats:
     bytes: int                          # full weights written into the engine
 
 
+@dataclass
+class Snapshot:
+    """Weights a sync wrote into an engine, as this rank holds them: its packed rows of the sharded tensors (1/R of
+    the model) and the unsharded tensors whole. Writing one into the engine again is the same collective."""
+    block: Tensor
+    whole: list[Tensor]
+
+
 class WeightSync:
     """Built once per engine: the gather buffers and, for each trainer tensor, where its rows land in the
     engine. Each call copies the model's current weights in (collective over the model's FSDP group); so does
-    building it, which brings a fresh engine to the trainer's weights (a resumed checkpoint's too)."""
+    building it, which brings a fresh engine to the trainer's weights (a resumed checkpoint's too). A call with a
+    `Snapshot` (`snapshot()` of an earlier call) writes those weights instead: a frozen opponent's pool."""
 
     def __init__(self, model: nn.Module, engine, tensor_parallel_size: int = 1):
         self.model, self.engine = model, engine
@@ -62,27 +71,36 @@ class WeightSync:
         self.group = sharded[0].device_mesh.get_group() if sharded else None
         self._plan_copies()
 
-    def __call__(self) -> SyncStats:
+    def __call__(self, snapshot: Snapshot | None = None) -> SyncStats:
         t0 = time.perf_counter()
         if hasattr(self, "destinations"):
-            gathered = self._copy()
+            gathered = self._copy(snapshot)
             self.engine.apply_model(_repack)
         else:
+            assert snapshot is None, "snapshots are of engines of one rank (tensor_parallel_size 1)"
             gathered = self._reload()
         if self.prefix_caching and not self.engine.reset_prefix_cache():   # vLLM refuses while requests run
             raise RuntimeError("vLLM kept its prefix cache: cached prompt blocks would hold the old weights' keys")
         return SyncStats(time.perf_counter() - t0, gathered - t0, self.bytes)
 
-    def _copy(self) -> float:
+    def snapshot(self) -> Snapshot:
+        """A copy of what the last call wrote into the engine, this rank's share of it."""
+        return Snapshot(self.own.clone(), [rows.clone() for rows in self.whole])
+
+    def _copy(self, snapshot: Snapshot | None) -> float:
         """Returns when the exchange ended."""
         with torch.no_grad():
             requests = []
-            for out, adapted in self.merges:    # first: merged rows are among what is sent
-                _merge_local(adapted, out)
-            if self.group is not None:
+            if snapshot is None:
+                for out, adapted in self.merges:    # first: merged rows are among what is sent
+                    _merge_local(adapted, out)
                 _copy_rows((self.send_views, self.local_shards))
-                if self.exchange:           # a one-rank group (bf16 FSDP on one device) has no peers
-                    requests = dist.batch_isend_irecv(self.exchange)
+                _copy_rows(self.whole_copies)
+            else:
+                self.own.copy_(snapshot.block)
+                _copy_rows((self.whole, snapshot.whole))
+            if self.exchange:               # a one-rank group (bf16 FSDP on one device) has no peers
+                requests = dist.batch_isend_irecv(self.exchange)
             _copy_rows(self.own_copies)                     # while the peers' rows are in flight
             for request in requests:
                 request.wait()
@@ -101,7 +119,7 @@ class WeightSync:
         like = self.shards[0].to_local() if self.shards else torch.empty(0)
         self.blocks = like.new_zeros(R * sum(sizes)).view(R, sum(sizes)).unbind()      # block r: rank r's shards
         me = dist.get_rank(self.group) if self.group is not None else 0
-        own = self.blocks[me]
+        own = self.own = self.blocks[me]
         peers = [r for r in range(R) if r != me]
         self.exchange = [*(dist.P2POp(dist.isend, own, group=self.group, group_peer=r) for r in peers),
                          *(dist.P2POp(dist.irecv, self.blocks[r], group=self.group, group_peer=r) for r in peers)]
@@ -114,14 +132,16 @@ class WeightSync:
         self.send_views = [v for v, _ in plain]
         self.local_shards = [t for _, t in plain]       # views: the optimizer updates in place
         self.own_copies, self.peer_copies = ([], []), ([], [])     # (engine rows, source rows)
+        self.whole, self.whole_copies = [], ([], [])   # unsharded tensors: their engine rows; (rows, source)
         slot = {id(t): (o, n) for t, o, n in zip(self.shards, offsets, rows)}
         for name, t in self.tensors.items():
             dst = self.destinations[name]
             if not isinstance(t, DTensor):    # the engine may pad a vocabulary's rows (to 64): those stay as they are
+                self.whole.append(dst[:t.shape[0]])
                 if id(t) in adapted_ids:
                     self.merges.append((dst[:t.shape[0]], adapted_ids[id(t)]))
                 else:
-                    self.own_copies[0].append(dst[:t.shape[0]]), self.own_copies[1].append(t.detach())
+                    self.whole_copies[0].append(dst[:t.shape[0]]), self.whole_copies[1].append(t.detach())
                 continue
             offset, n = slot[id(t)]
             for r in range(R):

@@ -2,7 +2,9 @@
 (tests/envs_for_tests.py's recording and rejecting games): each seat's trajectory holds its own moves as model
 tokens and the rest as observations; the engine's logprobs are the trainer's; bots move only for their seats;
 illegal moves lose or retry as configured; the frozen engine keeps the file's weights while the policy's engine
-follows the trainer, until a refresh; a seat's advantages (and loss gradients) ignore the other seat's returns.
+follows the trainer, until a refresh; the pool of snapshots writes exactly the one drawn into the frozen engine,
+also after a checkpoint's round trip; the move probabilities read out for Kuhn Poker's exploitability are the
+trainer's; a seat's advantages (and loss gradients) ignore the other seat's returns.
 
     torchrun --nproc_per_node 1 tests/games_check.py MODEL_DIR OUT_DIR
 """
@@ -14,13 +16,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from environments import OpenSpielGame
 from games_for_tests import RecordingGame, RejectingGame
 from forge_core.dist import Layout, init_roles, run_main
 from forge_core.engine import EngineConfig, SamplingConfig, build_engine
 from forge_core.env import EnvConfig
-from forge_core.games import RAE, GameConfig, play_games
+from forge_core.games import RAE, GameConfig, move_probabilities, move_prompts, play_games
 from forge_core.model import FSDPConfig, ModelConfig, load_tokenizer
 from forge_core.optim import OptimConfig, build_optimizer, optimizer_step
+from forge_core.snapshots import SnapshotPool
 from forge_core.sync import WeightSync, engine_state_dict
 from forge_core.weights import build_model, full_tensor, hf_tensors
 from sync_check import fuse_like_vllm
@@ -130,6 +134,7 @@ def main(model_dir: str, out_dir: str) -> None:
     rollout, _ = play(engines, tokenizer, RecordingGame, ["frozen"] * 2, [0, 1])
     result["frozen_games_trained_seats"] = rollout.episode["seat"].tolist() == [0] * G + [1] * G
     weight_sync = WeightSync(policy, engines["policy"])
+    pool = SnapshotPool(WeightSync(policy, engines["frozen"]), size=2, group=None)    # the start model, snapshot 0
     optim, sched = build_optimizer(policy, OptimConfig(lr=1e-2), total_steps=2)
     start = fuse_like_vllm(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict())
     gaps = {"frozen_vs_file": [], "policy_engine_vs_trainer": [], "trainer_vs_file": []}
@@ -144,10 +149,40 @@ def main(model_dir: str, out_dir: str) -> None:
         gaps["frozen_vs_file"].append(max((frozen[n] - start[n]).abs().max().item() for n in frozen))
         gaps["policy_engine_vs_trainer"].append(max((served[n] - trainer[n]).abs().max().item() for n in served))
         gaps["trainer_vs_file"].append(max((trainer[n] - start[n]).abs().max().item() for n in frozen))
-    WeightSync(policy, engines["frozen"])
-    frozen = engine_state_dict(engines["frozen"])
-    gaps["refreshed_vs_trainer"] = max((frozen[n] - trainer[n]).abs().max().item() for n in frozen)
+    def gap_to(expected: dict) -> float:
+        frozen = engine_state_dict(engines["frozen"])
+        return max((frozen[n] - expected[n]).abs().max().item() for n in frozen)
+    pool.add()                                      # snapshot 1: the trained policy
+    gaps["refreshed_vs_trainer"] = gap_to(trainer)
+    pool.load(0)
+    gaps["pool_0_vs_file"] = gap_to(start)
+    pool.load(1)
+    gaps["pool_1_vs_trainer"] = gap_to(trainer)
+    path = Path(out_dir) / "pool.pt"
+    torch.save(pool.state_dict(), path)
+    kept = SnapshotPool(WeightSync(policy, engines["frozen"]), size=2, group=None, kept=torch.load(path, weights_only=True))
+    gaps["kept_newest_vs_trainer"] = gap_to(trainer)
+    kept.load(0)
+    gaps["kept_0_vs_file"] = gap_to(start)
+    kept.add()                                      # the oldest (the start model) leaves
+    kept.load(0)
+    result["pool_size_after_add"], result["pool_draws"] = len(kept), sorted({kept.draw(3, r) for r in range(40)})
+    gaps["pool_oldest_vs_trainer"] = gap_to(trainer)
     result["weights"] = gaps
+
+    # Kuhn Poker's policy read out of the engine (prompt logprobs) is the trainer's
+    kuhn = OpenSpielGame("kuhn_poker", view="information_state", list_moves=True, exploitability=True)
+    chats = []
+    kuhn.exploitability(lambda asked: chats.extend(asked) or [[0.5, 0.5] for _ in asked])
+    engine_probabilities = move_probabilities(engines["policy"], tokenizer, chats, ENV)
+    prompts, sizes = move_prompts(tokenizer, chats, ENV)
+    with torch.no_grad():
+        scores = torch.tensor([policy(input_ids=torch.tensor([ids])).logits[0, -n - 1:-1].log_softmax(-1)
+                               .gather(1, torch.tensor(ids[-n:]).unsqueeze(1)).sum().item() for ids, n in prompts])
+    trainer_probabilities = [part.softmax(0).tolist() for part in scores.split(sizes)]
+    result["kuhn_probability_gap"] = max(abs(a - b) for e, t in zip(engine_probabilities, trainer_probabilities)
+                                         for a, b in zip(e, t))
+    result["kuhn_probabilities_sum"] = [round(sum(p), 6) for p in engine_probabilities]
     (Path(out_dir) / "result.json").write_text(json.dumps(result))
 
 

@@ -6,7 +6,8 @@ by an optimizer step, sync them into each rank's colocated vLLM engine, then che
   - vLLM's logprobs of sampled tokens equal the trainer's recomputed logprobs,
   - on CPU nothing was compiled on the way (`forge_core.engine.eager_everywhere`) and the engine draws by
     inverse CDF (`forge_core.engine.inverse_cdf_sampling`),
-also for a prompt of several KV blocks that the engine cached before the step (a sync must drop that cache).
+also for a prompt of several KV blocks that the engine cached before the step (a sync must drop that cache);
+and that a snapshot of the first sync, written again after the step, gives the engine the start weights exactly.
 Writes <out>/rank<r>.json.
 
     torchrun --standalone --nproc_per_node 2 tests/sync_check.py MODEL_DIR OUT_DIR
@@ -73,6 +74,7 @@ def main(model_dir: str, out_dir: str) -> None:
     engine = build_engine(model_dir, EngineConfig(block_size=32), seed=0)
     weight_sync = WeightSync(policy, engine)       # building it syncs: the engine computes with the trainer's weights
     fresh_mismatched = mismatches(engine, policy)
+    start_snapshot, start_weights = weight_sync.snapshot(), engine_state_dict(engine)
     long_sum = "+".join(str(n) for n in range(10, 40)) + "="
     prompts = [chat_prompt_ids(tokenizer, p) for p in ["12+34=", "500+499=", "7+8=", long_sum]]
     assert len(prompts[-1]) > 3 * 32, len(prompts[-1])
@@ -107,8 +109,11 @@ def main(model_dir: str, out_dir: str) -> None:
         trainer_logprobs, _ = token_logprobs(policy, sampled, temperature=1.0)
     mask = sampled.completion_mask.bool()
     gap = (trainer_logprobs - sampled.sampler_logprobs)[mask].abs().max().item()
+    weight_sync(start_snapshot)
+    restored = engine_state_dict(engine)
+    snapshot_mismatched = [n for n, p in start_weights.items() if not torch.equal(p, restored[n])]
     result = {"fresh_mismatched": fresh_mismatched, "mismatched": mismatched, "vllm_greedy": vllm_greedy, "hf_greedy": hf_greedy,
-              "logprob_gap": gap, "sync_bytes": stats.bytes, "changed": changed,
+              "logprob_gap": gap, "snapshot_mismatched": snapshot_mismatched, "sync_bytes": stats.bytes, "changed": changed,
               "compiled_frames": counters["frames"]["total"], "sampler": engine.collective_rpc(sampler_name)[0]}
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / f"rank{roles.rank}.json").write_text(json.dumps(result))

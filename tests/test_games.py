@@ -36,7 +36,7 @@ def test_seats_opponents_and_illegal_moves_on_real_engines(tictactoe_sft, tmp_pa
     """tests/games_check.py: a seat's model tokens are exactly its own moves (the opponent's reach it only inside
     observations), engine logprobs are the trainer's, bots move only for their seats, an illegal move loses or is
     retried with its reason, the frozen engine keeps the start model while the policy's follows the trainer (a
-    refresh copies it), and a seat's advantages and gradients ignore the other seat's returns."""
+    refresh copies it, a pool of snapshots writes exactly the one drawn), and a seat's advantages and gradients ignore the other seat's returns."""
     run_script("tests/games_check.py", [str(tictactoe_sft / "sft" / "hf"), str(tmp_path)], nproc=1)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["own_moves"] and result["opponent_moves_not_model_tokens"]
@@ -52,6 +52,10 @@ def test_seats_opponents_and_illegal_moves_on_real_engines(tictactoe_sft, tmp_pa
     weights = result["weights"]
     assert weights["frozen_vs_file"] == [0.0, 0.0] and weights["policy_engine_vs_trainer"] == [0.0, 0.0]
     assert min(weights["trainer_vs_file"]) > 1e-3 and weights["refreshed_vs_trainer"] == 0.0
+    assert weights["pool_0_vs_file"] == weights["pool_1_vs_trainer"] == 0.0
+    assert weights["kept_newest_vs_trainer"] == weights["kept_0_vs_file"] == weights["pool_oldest_vs_trainer"] == 0.0
+    assert result["pool_size_after_add"] == 2 and result["pool_draws"] == [0, 1]
+    assert result["kuhn_probability_gap"] < 1e-5 and result["kuhn_probabilities_sum"] == [1.0] * 12
 
 
 def test_selfplay_learns_tictactoe(tictactoe_sft, tmp_path):
@@ -68,20 +72,21 @@ def test_selfplay_learns_tictactoe(tictactoe_sft, tmp_path):
     assert sum(illegal[-4:]) < sum(illegal[:4]), illegal
 
 
-def test_rae_baselines_survive_a_resume(tictactoe_sft, tmp_path):
-    """RAE's EMA baselines are in the checkpoint: a run stopped at step 2 and resumed logs the straight run's
-    step 3; half the games in self-play, a quarter each against a frozen opponent (its own engine) and the random
-    bot."""
+def test_rae_baselines_and_the_snapshot_pool_survive_a_resume(tictactoe_sft, tmp_path):
+    """RAE's EMA baselines and the frozen opponent's pool of snapshots are in the checkpoint: a run stopped at step 2
+    and resumed logs the straight run's steps 3 and 4; half the games in self-play, a quarter each against the
+    random bot and a frozen opponent (its own engine) drawn per row from a pool of the last 3 snapshots, one a step."""
     config = tmp_path / "mixed.yaml"
     config.write_text((REPO / "configs/grpo/tiny_tictactoe.yaml").read_text().replace(
         "    self: 1.0", "    self: 0.5\n    frozen: 0.25\n    random: 0.25"))
-    extra = ("--train.steps", "3", "--train.prompts_per_step", "8", "--train.eval_every", "0", "--data.eval_rows", "8",
-             "--ckpt.save_every", "2", "--game.advantage", "rae")
+    extra = ("--train.steps", "4", "--train.prompts_per_step", "8", "--train.eval_every", "0", "--data.eval_rows", "8",
+             "--ckpt.save_every", "2", "--game.advantage", "rae", "--game.frozen_refresh_every", "1",
+             "--game.pool_size", "3")
     selfplay(tictactoe_sft, tmp_path / "straight", *extra, config=str(config))
     selfplay(tictactoe_sft, tmp_path / "resumed", *extra, "--train.stop_at_step", "2", config=str(config))
     selfplay(tictactoe_sft, tmp_path / "resumed", *extra, config=str(config))
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
-    assert_same_curve(resumed, straight, range(3, 4))
+    assert_same_curve(resumed, straight, range(3, 5))
     meta = json.loads(sorted((tmp_path / "resumed").glob("checkpoints/*/meta.json"))[-1].read_text())
     assert {"0:0", "0:1"} <= set(meta["rae"]) <= {"0:0", "0:1", "1:0", "1:1", "2:0", "2:1"}   # (opponent, seat)
 
@@ -106,3 +111,21 @@ def test_bad_games_fail_in_one_line(tmp_path):
         game.step("o(2,2)")
     with pytest.raises(ForgeError, match="game opponent 'minimax' is none of"):
         check_game(OpenSpielGame, EnvConfig(), GameConfig(opponents={"minimax": 1.0}), {"seed": 0}, 8, 8, 1, 1)
+
+
+def test_kuhn_exploitability_reads_every_information_state():
+    """OpenSpielGame's exploitability asks the policy once per information state, with the chat that seat saw and
+    played to get there, and is OpenSpiel's figure for the policy read out (uniform: 0.4583, always betting: 1/3)."""
+    game = OpenSpielGame("kuhn_poker", view="information_state", list_moves=True, exploitability=True)
+    asked = []
+
+    def uniform(chats):
+        asked.extend(chats)
+        return [[1 / len(legal)] * len(legal) for _, _, legal in chats]
+    assert game.exploitability(uniform) == pytest.approx(0.458333, abs=1e-5)
+    assert len(asked) == 12 and all(legal == ["Pass", "Bet"] for _, _, legal in asked)
+    views, moves, _ = next(chat for chat in asked if len(chat[0]) == 2)     # player 0: passed, then player 1 bet
+    assert views[0].startswith("You are player 0 of kuhn_poker.") and moves == ["Pass"]
+    assert views[1].split("\n")[0].endswith("pb") and not views[1].startswith("You are")
+    assert game.exploitability(lambda chats: [[0.0, 1.0] for _ in chats]) == pytest.approx(1 / 3, abs=1e-6)
+    assert OpenSpielGame("kuhn_poker").exploitability(uniform) is None       # not asked for

@@ -19,7 +19,7 @@ def test_synced_engines_equal_the_trainer(tiny, tmp_path):
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["changed"], "the optimizer step must have changed the weights"
-        assert result["fresh_mismatched"] == [] and result["mismatched"] == []
+        assert result["fresh_mismatched"] == [] and result["mismatched"] == [] and result["snapshot_mismatched"] == []
         assert result["vllm_greedy"] == result["hf_greedy"]
         assert result["logprob_gap"] < 1e-5
         assert result["compiled_frames"] == 0
