@@ -32,8 +32,8 @@ from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, in
 from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check_kv_cache, check_tensor_parallel,
                                context_length, engine_dtype, engine_group, generate, join_engine_groups)
 from forge_core.env import EnvConfig, load_env, run_episodes, stop_strings
-from forge_core.games import (RAE, GameConfig, check_game, describe_games, evaluate_games, exploitability_metrics,
-                              game_sampler, is_game, opponents_of)
+from forge_core.game_eval import describe_games, evaluate_games, exploitability_metrics
+from forge_core.games import RAE, GameConfig, check_game, game_sampler, is_game, opponents_of
 from forge_core.exchange import receive_scores, send_rollout, serve
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics, rollout_metrics

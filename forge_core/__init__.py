@@ -14,7 +14,8 @@ down into these modules, one concern each:
     engine    the colocated vLLM engine: building it, sampling params, seeded draws, generate
     sync      FSDP shards into the engines by collectives (never through files)
     env       multi-turn episodes: the environment protocol and the turn loop
-    games     games with seats: who plays each (self, a frozen snapshot, bots), the rounds, RAE, held-out play
+    games     games with seats: who plays each (self, a frozen snapshot, bots), the rounds, RAE
+    game_eval held-out play against each opponent, a game's exploitability, a run's before -> after lines
     snapshots the frozen opponent's pool of past policy snapshots, each rank a share, drawn per row
     sandbox   running model-written code isolated and bounded
     rootfs    a sandboxed call's root: the host's system directories read-only, a private /tmp; the mount table

@@ -14,8 +14,8 @@ from conftest import (HELD_OUT_ACCURACY, assert_clean_error, assert_same_curve, 
 def test_engine_computes_with_the_merged_adapter_after_every_sync(tiny, tmp_path):
     """2 FSDP ranks, adapters on every linear layer, 3 optimizer steps each followed by a sync: the engine's
     weights equal W + scale * B @ A of the gathered model, its logprobs those of an HF model holding the merged
-    weights (1e-5) and, to rounding, the adapted trainer's; the base weights and the reference policy (the adapter
-    switched off) are the file's."""
+    weights (1e-5) and, to rounding, the adapted trainer's; the base weights are the file's, and the reference policy
+    (the adapter switched off) computes the file's logprobs to rounding (FSDP's forward is not the plain model's)."""
     run_script("tests/lora_check.py", [str(tiny / "init"), str(tmp_path)], nproc=2)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -24,7 +24,7 @@ def test_engine_computes_with_the_merged_adapter_after_every_sync(tiny, tmp_path
         assert max(result["logprob_gaps"]) < 1e-5, result["logprob_gaps"]
         assert max(result["adapted_gaps"]) < 1e-4, result["adapted_gaps"]
         assert result["base_unchanged"] and result["merged_changed"] == 7 * 4
-        assert result["reference_gap"] == 0.0 and result["adapted_gap"] > 1e-3
+        assert result["reference_gap"] < 1e-5 and result["adapted_gap"] > 1e-3, result
 
 
 def test_sft_trains_only_the_adapter_and_exports_it_merged_and_alone(tiny, tmp_path):
