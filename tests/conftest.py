@@ -169,14 +169,15 @@ HELD_OUT_ACCURACY = re.compile(r"held-out accuracy: greedy ([\d.]+) -> ([\d.]+) 
                                r"sampled \(T=1, 8 per prompt\) ([\d.]+) -> ([\d.]+) \(step 0 -> (\d+)\)")
 
 
-def trained_sft(out: Path, task: str, sft_config: str, sft_steps: int) -> Path:
-    """build_tiny.py's task in `out/artifacts`, SFT on 2 ranks into `out/sft` (its HF export: `out/sft/hf`)."""
+def trained_sft(out: Path, task: str, sft_config: str, sft_steps: int, *extra: str) -> Path:
+    """build_tiny.py's task in `out/artifacts`, SFT on 2 ranks into `out/sft` (its HF export: `out/sft/hf`);
+    `extra`: more overrides."""
     data = out / "artifacts"
     subprocess.run([sys.executable, str(REPO / "tools" / "build_tiny.py"), "--task", task, "--out", str(data)],
                    check=True, cwd=REPO, capture_output=True)
     run_script("train_sft.py", ["--config", sft_config, "--model.path", str(data / "init"), *_data_paths(data),
                                 "--train.steps", str(sft_steps), "--train.eval_every", "0", "--data.eval_rows", "16",
-                                "--out_dir", str(out / "sft")], nproc=2)
+                                "--out_dir", str(out / "sft"), *extra], nproc=2, timeout=1800)   # a Zen 1, shared
     return out
 
 
