@@ -39,7 +39,8 @@ def main(model_dir: str, env_names: list[str]) -> None:
     engine = build_engine(model_dir, EngineConfig(), seed=0)
     rows = [{"prompt": f"{n}+{n}="} for n in range(16)]
     for name in env_names:
-        cfg = EnvConfig(name=name, max_turns=2, timeout_s=3.0, workers=16)
+        # Spawner's calls fork this whole process (the engine's GBs): seconds each on a loaded 2-core machine
+        cfg = EnvConfig(name=name, max_turns=2, timeout_s=30.0 if name.endswith(":Spawner") else 3.0, workers=16)
         env_class = load_env(cfg, ENVIRONMENTS_PY)
         start = time.perf_counter()
         rollout = run_episodes(engine, tokenizer, env_class, rows, list(range(16)),
