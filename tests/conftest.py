@@ -177,7 +177,7 @@ def trained_sft(out: Path, task: str, sft_config: str, sft_steps: int, *extra: s
                    check=True, cwd=REPO, capture_output=True)
     run_script("train_sft.py", ["--config", sft_config, "--model.path", str(data / "init"), *_data_paths(data),
                                 "--train.steps", str(sft_steps), "--train.eval_every", "0", "--data.eval_rows", "16",
-                                "--out_dir", str(out / "sft"), *extra], nproc=2, timeout=1800)   # a Zen 1, shared
+                                "--out_dir", str(out / "sft"), *extra], nproc=2, timeout=1800)  # Zen 1, 2 tests at once
     return out
 
 
