@@ -21,7 +21,7 @@ from pydantic import NonNegativeInt, PositiveInt
 from forge_core.ckpt import CheckpointConfig, Checkpointer, export_path, finished_message, finished_run
 from forge_core.config import ForgeError, config_to_dict, load_config
 from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, encode_sft, fitting_prompts,
-                             micro_batches, read_rows, require_fields, require_text, sample_indices)
+                             label_assistant_turns, micro_batches, read_rows, require_fields, require_text, sample_indices)
 from forge_core.dist import Dist, DistConfig, close_dist, freeze_startup_objects, init_dist, run_main, set_phase
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
@@ -89,10 +89,25 @@ def load_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], list[dict]
         n = len(train) - cfg.eval_rows
         train, prompt_ids, eval_rows = train[:n], prompt_ids[:n], train[n:]
     end_id = turn_end(tokenizer).ids[0]
-    encoded = [encode_sft(tokenizer, ids, r[cfg.response_field], cfg.max_length, end_id)
-               for ids, r in zip(prompt_ids, train)]
+    encoded = [encode_row(tokenizer, r, ids, cfg, end_id, (rows, cfg.path)) for ids, r in zip(prompt_ids, train)]
+    if cfg.every_assistant_turn:        # checked now, not at the first evaluation
+        [encode_row(tokenizer, r, None, cfg, end_id, (eval_rows, cfg.eval_path or cfg.path)) for r in eval_rows]
     cuts = Cuts(sum(t for *_, t in encoded), skipped, warnings)
     return [(ids, labels) for ids, labels, _ in encoded], eval_rows, cuts
+
+
+def encode_row(tokenizer, row: dict, prompt_ids: list[int] | None, cfg: DataConfig, end_id: int,
+               source: tuple[list[dict], str] | None = None) -> tuple[list[int], list[int], bool]:
+    """`encode_sft` of a row; with data.every_assistant_turn its prompt's assistant turns are trained too (a row
+    whose template moves them is a data error naming the row of `source`: the file's rows and its name)."""
+    prompt = row[cfg.prompt_field]
+    ids, labels, truncated = encode_sft(tokenizer, prompt_ids or chat_prompt_ids(tokenizer, prompt),
+                                        row[cfg.response_field], cfg.max_length, end_id)
+    if cfg.every_assistant_turn and (wrong := label_assistant_turns(tokenizer, prompt, ids, labels, end_id)):
+        rows, name = source or ([row], "a held-out row")
+        raise ForgeError(f"data error: {name} row {next(i for i, r in enumerate(rows) if r is row) + 1}: "
+                         f"{cfg.prompt_field}'s {wrong} (data.every_assistant_turn)")
+    return ids, labels, truncated
 
 
 def checked_rows(cfg: DataConfig, source: str, split: str) -> list[dict]:
@@ -158,8 +173,7 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: SFTConfig, d: Dist) -> dic
     nll, targets = 0.0, 0
     size, end_id = cfg.train.micro_batch_size, turn_end(tokenizer).ids[0]
     for i in range(0, len(mine), size):
-        examples = [encode_sft(tokenizer, chat_prompt_ids(tokenizer, p), r, cfg.data.max_length, end_id)[:2]
-                    for p, r in zip(prompts[i:i + size], responses[i:i + size])]
+        examples = [encode_row(tokenizer, r, None, cfg.data, end_id)[:2] for r in mine[i:i + size]]
         batch = collate_sft(examples, tokenizer.pad_token_id, pack=False, max_length=cfg.data.max_length)
         targets += int((batch["labels"][:, 1:] != IGNORE).sum())
         nll += token_nll(model, {k: v.to(d.device) for k, v in batch.items()}).item()

@@ -1,6 +1,7 @@
-"""Rows in (JSONL / Parquet / a `datasets` name), token ids out: chat template, response-only labels,
-optional packing, and a step-indexed sample stream that makes resuming exact (position = step). A bad row is a
-one-line data error naming its file and row; a prompt too long for what must follow it is dropped and counted.
+"""Rows in (JSONL / Parquet / a `datasets` name), token ids out: chat template, response-only labels (or every
+assistant turn of a conversation), optional packing, and a step-indexed sample stream that makes resuming exact
+(position = step). A bad row is a one-line data error naming its file and row; a prompt too long for what must
+follow it is dropped and counted.
 """
 
 import json
@@ -14,7 +15,7 @@ from pydantic import PositiveInt
 from .config import ForgeError
 
 __all__ = ["DataConfig", "read_rows", "require_fields", "require_text", "chat_prompt_ids",
-           "drop_long_prompts", "fitting_prompts", "encode_sft", "sample_indices", "micro_batches", "collate_sft",
+           "drop_long_prompts", "fitting_prompts", "encode_sft", "label_assistant_turns", "sample_indices", "micro_batches", "collate_sft",
            "prompt_rows", "IGNORE"]
 
 IGNORE = -100   # label of a token that is not trained on (prompt, padding)
@@ -33,6 +34,8 @@ class DataConfig:
     max_length: PositiveInt = 256                    # longer examples are truncated (and counted); a row whose
                                                      # prompt alone fills it is skipped (and counted)
     pack: bool = False                               # pack a micro-batch's examples into fewer rows
+    every_assistant_turn: bool = False               # SFT: also train the assistant turns of a chat prompt (one
+                                                     # row per conversation, not per turn; TRL's assistant_only_loss)
 
 
 def read_rows(source: str, split: str = "train", subset: str | None = None) -> list[dict]:
@@ -183,6 +186,22 @@ def encode_sft(tokenizer, prompt_ids: list[int], response: str, max_length: int,
     ids = (prompt_ids + response_ids)[:max_length]
     labels = ([IGNORE] * len(prompt_ids) + response_ids)[:max_length]
     return ids, labels, len(prompt_ids) + len(response_ids) > max_length
+
+
+def label_assistant_turns(tokenizer, prompt: str | list[dict[str, str]], ids: list[int], labels: list[int],
+                          end_id: int) -> str | None:
+    """Label each assistant message of a chat prompt in `labels` (in place), with its end of turn, where the
+    template put it in `ids` (`encode_sft`'s). None, or what is wrong: a template that rewrites earlier turns
+    (Qwen3 drops their reasoning) does not hold them as the model generated them, so they cannot be trained so."""
+    for i, message in enumerate(prompt if isinstance(prompt, list) else []):
+        if message["role"] != "assistant":
+            continue
+        start = len(chat_prompt_ids(tokenizer, prompt[:i]))
+        turn = (tokenizer(message["content"], add_special_tokens=False).input_ids + [end_id])[:max(0, len(ids) - start)]
+        if ids[start:start + len(turn)] != turn:
+            return f"message {i + 1} (assistant) is not where the chat template puts the conversation's turns"
+        labels[start:start + len(turn)] = turn
+    return None
 
 
 def sample_indices(step: int, batch_size: int, num_rows: int, seed: int) -> list[int]:

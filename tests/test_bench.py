@@ -16,13 +16,17 @@ def test_grpo_bench_prints_its_tables(tiny, tmp_path):
     config["layout"]["reference"] = 0        # no KL term: the reference rank would only idle
     (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(config))
     proc = run_script("bench/bench_grpo.py", ["--config", str(tmp_path / "grpo.yaml"), "--model", str(tiny / "init"),
-                                              "--no_trl", "--steps", "4", "--warmup_steps", "1", "--sync_steps", "4",
-                                              "--repeats", "8"])
-    for row in ("| time/step (wall clock) |", "| generation |", "| weight sync, 2 policy ranks",
-                "| held-out sampled (T=1, G per prompt) accuracy after 4 steps"):
+                                              "--no_trl", "--steps", "3", "--warmup_steps", "1", "--sync_steps", "2",
+                                              "--repeats", "6"])
+    for row in ("| time/step (wall clock) |", "| generation |", "| step time against the machine's limit |",
+                "| train |", "| weight sync, 2 policy ranks",
+                "| held-out sampled (T=1, G per prompt) accuracy after 3 steps"):
         assert row in proc.stdout, row
     raw = json.loads(proc.stdout.split("raw numbers: ")[1].splitlines()[0])
     assert raw["ours"]["time/step"] > 0 and raw["vllm"]["tokens_per_s"] > 0 and raw["broadcast"]["seconds"] > 0
+    assert raw["layout"] == "1|0|1" and 0 < raw["limit"]["train"] < raw["ours"]["time/train"]
+    sent = raw["ours_2policy"]["sync/gigabytes"] * 1e9           # every fp32 parameter, the tied head once
+    assert sent == pytest.approx(4 * raw["sizes"]["params"], rel=0.01), (sent, raw["sizes"])
     for key in ("accuracy", "accuracy_sampled"):
         assert 0 <= raw[key]["start"] <= 1 and 0 <= raw[key]["ours"] <= 1
 

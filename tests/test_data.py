@@ -9,8 +9,8 @@ import pytest
 
 import rewards
 from forge_core.config import ForgeError
-from forge_core.data import (IGNORE, chat_prompt_ids, collate_sft, encode_sft, micro_batches, read_rows,
-                             sample_indices)
+from forge_core.data import (IGNORE, DataConfig, chat_prompt_ids, collate_sft, encode_sft, label_assistant_turns,
+                             micro_batches, read_rows, sample_indices)
 from forge_core.model import turn_end
 
 GSM8K_ROWS = [
@@ -98,6 +98,41 @@ def test_sft_trains_the_templates_end_of_turn_not_eos(tiny):
     tok.chat_template = LLAMA3_TEMPLATE
     _, labels, _ = encode_sft(tok, chat_prompt_ids(tok, "12+34="), "46", max_length=64, end_id=turn_end(tok).ids[0])
     assert tok.decode([t for t in labels if t != IGNORE]) == "46<|eot_id|>"
+
+
+def test_every_assistant_turn_of_a_conversation_is_trained_where_the_model_generated_it(tiny):
+    """data.every_assistant_turn: a game's conversation as one row trains each earlier move (with its end of turn)
+    at the tokens the engine saw, as one row per move would; a template that rewrites earlier turns is refused."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny / "init")
+    end = turn_end(tok).ids[0]
+    talk = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "10+10="}, {"role": "assistant", "content": "20"}, {"role": "user", "content": "5+5="}]
+    ids, labels, _ = encode_sft(tok, chat_prompt_ids(tok, talk), "10", 64, end)
+    assert label_assistant_turns(tok, talk, ids, labels, end) is None
+    runs, run = [], []
+    for token, label in zip(ids, labels):
+        if label != IGNORE:
+            assert label == token
+            run.append(token)
+        elif run:
+            runs, run = runs + [tok.decode(run)], []
+    assert runs + [tok.decode(run)] == ["2<|im_end|>", "20<|im_end|>", "10<|im_end|>"]
+    for k, move in ((1, "2"), (3, "20")):        # the per-move row: the same tokens before the move
+        per_move, *_ = encode_sft(tok, chat_prompt_ids(tok, talk[:k]), move, 64, end)
+        assert ids[:len(per_move)] == per_move
+    cut = [IGNORE] * 12                          # a conversation cut by data.max_length: its turns up to the cut
+    assert label_assistant_turns(tok, talk, ids[:12], cut, end) is None and cut == labels[:12]
+    tok.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}" \
+        "={% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ids, labels, _ = encode_sft(tok, chat_prompt_ids(tok, talk), "10", 64, end)
+    assert label_assistant_turns(tok, talk, ids, labels, end) == \
+        "message 2 (assistant) is not where the chat template puts the conversation's turns"
+    from train_sft import encode_row
+    rows = [{"prompt": talk[:1], "response": "2"}, {"prompt": talk, "response": "10"}]
+    with pytest.raises(ForgeError, match=r"^data error: games.jsonl row 2: prompt's message 2 \(assistant\) is not "
+                                         r"where .* \(data.every_assistant_turn\)$"):
+        encode_row(tok, rows[1], None, DataConfig(every_assistant_turn=True), end, (rows, "games.jsonl"))
 
 
 def test_sample_stream_is_a_function_of_the_step():

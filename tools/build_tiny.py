@@ -80,22 +80,25 @@ GAMES = {"tictactoe": dict(game="tic_tac_toe", list_moves=True, numbered=True),
          "kuhn_poker": dict(game="kuhn_poker", view="information_state", list_moves=True)}
 
 
-def random_play_rows(num_games: int, seed: int, **game_args) -> list[dict]:
+def random_play_rows(num_games: int, seed: int, **game_args) -> tuple[list[dict], list[dict]]:
     """Games of uniformly random legal moves (environments.py:OpenSpielGame's messages), one SFT row per move:
-    `prompt` the mover's conversation so far, `response` its move."""
-    rows = []
+    `prompt` the mover's conversation so far, `response` its move; and one per game and seat, its last move's
+    (for `data.every_assistant_turn`, which trains the earlier moves inside its prompt too)."""
+    rows, conversations = [], []
     for k in range(num_games):
         game = OpenSpielGame(**game_args)
         game.reset({"seed": seed * 1_000_003 + k, "episode": k})
-        talks = {}
+        talks, last = {}, {}
         while (seat := game.current_player()) >= 0:
             talk = talks.setdefault(seat, [])
             talk.append({"role": "user", "content": game.observation(seat)})
             move = game.bot_move("random")
             rows.append({"prompt": list(talk), "response": move, "answer": ""})
+            last[seat] = rows[-1]
             talk.append({"role": "assistant", "content": move})
             game.step(move)
-    return rows
+        conversations += [last[seat] for seat in sorted(last)]
+    return rows, conversations
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -113,8 +116,9 @@ def main(cfg: BuildConfig) -> None:
         write_jsonl(cfg.out / "data" / "games.jsonl", [{"prompt": eval_rows[0]["prompt"][0]["content"],
                                                          "answer": str(n)} for n in range(1, 17)])
     elif cfg.task in GAMES:    # SFT rows are the moves of random legal play; GRPO rows are games (their seeds)
-        train_rows = random_play_rows(cfg.train_rows // 8, cfg.seed, **GAMES[cfg.task])
-        eval_rows = random_play_rows(cfg.eval_rows // 8, cfg.seed + 1, **GAMES[cfg.task])
+        train_rows, conversations = random_play_rows(cfg.train_rows // 8, cfg.seed, **GAMES[cfg.task])
+        eval_rows, _ = random_play_rows(cfg.eval_rows // 8, cfg.seed + 1, **GAMES[cfg.task])
+        write_jsonl(cfg.out / "data" / "conversations.jsonl", conversations)
         write_jsonl(cfg.out / "data" / "games.jsonl", [{"game": cfg.task, "seed": k} for k in range(10_000)])
         write_jsonl(cfg.out / "data" / "eval_games.jsonl",
                     [{"game": cfg.task, "seed": k} for k in range(10_000, 11_000)])
