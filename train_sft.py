@@ -90,8 +90,9 @@ def load_examples(cfg: DataConfig, tokenizer) -> tuple[list[Example], list[dict]
         train, prompt_ids, eval_rows = train[:n], prompt_ids[:n], train[n:]
     end_id = turn_end(tokenizer).ids[0]
     encoded = [encode_row(tokenizer, r, ids, cfg, end_id, (rows, cfg.path)) for ids, r in zip(prompt_ids, train)]
-    if cfg.every_assistant_turn:        # checked now, not at the first evaluation
-        [encode_row(tokenizer, r, None, cfg, end_id, (eval_rows, cfg.eval_path or cfg.path)) for r in eval_rows]
+    held_out = (eval_rows, cfg.eval_path) if cfg.eval_path else (rows, cfg.path)
+    for row in eval_rows if cfg.every_assistant_turn else []:       # checked now, not at the first evaluation
+        encode_row(tokenizer, row, None, cfg, end_id, held_out)
     cuts = Cuts(sum(t for *_, t in encoded), skipped, warnings)
     return [(ids, labels) for ids, labels, _ in encoded], eval_rows, cuts
 

@@ -14,8 +14,8 @@ from pydantic import PositiveInt
 
 from .config import ForgeError
 
-__all__ = ["DataConfig", "read_rows", "require_fields", "require_text", "chat_prompt_ids",
-           "drop_long_prompts", "fitting_prompts", "encode_sft", "label_assistant_turns", "sample_indices", "micro_batches", "collate_sft",
+__all__ = ["DataConfig", "read_rows", "require_fields", "require_text", "chat_prompt_ids", "drop_long_prompts",
+           "fitting_prompts", "encode_sft", "label_assistant_turns", "sample_indices", "micro_batches", "collate_sft",
            "prompt_rows", "IGNORE"]
 
 IGNORE = -100   # label of a token that is not trained on (prompt, padding)
@@ -197,7 +197,8 @@ def label_assistant_turns(tokenizer, prompt: str | list[dict[str, str]], ids: li
         if message["role"] != "assistant":
             continue
         start = len(chat_prompt_ids(tokenizer, prompt[:i]))
-        turn = (tokenizer(message["content"], add_special_tokens=False).input_ids + [end_id])[:max(0, len(ids) - start)]
+        turn = tokenizer(message["content"], add_special_tokens=False).input_ids + [end_id]
+        turn = turn[:max(0, len(ids) - start)]                  # data.max_length may cut the conversation
         if ids[start:start + len(turn)] != turn:
             return f"message {i + 1} (assistant) is not where the chat template puts the conversation's turns"
         labels[start:start + len(turn)] = turn
