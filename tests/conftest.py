@@ -187,10 +187,11 @@ def _data_paths(data: Path) -> list[str]:
 
 @pytest.fixture(scope="session")
 def addition_sft(tmp_path_factory, worker_id) -> Path:
-    """The default pipeline's SFT, shortened to 500 steps (`make run`'s first half), shared by the GRPO runs that
-    start from it (full and LoRA)."""
+    """The default pipeline's SFT (`make run`'s first half), shortened to 500 steps of 64 rows (not 700 of 128),
+    shared by the GRPO runs that start from it (full and LoRA)."""
     return built_once(tmp_path_factory, worker_id, "addition_sft",
-                      lambda out: trained_sft(out, "addition", "configs/sft/tiny.yaml", 500))
+                      lambda out: trained_sft(out, "addition", "configs/sft/tiny.yaml", 500, "--train.batch_size",
+                                              "64", "--train.micro_batch_size", "32"))
 
 
 def grpo_after_sft(sft: Path, out: Path, grpo_config: str, grpo_steps: int, *extra: str) -> subprocess.CompletedProcess:
@@ -202,9 +203,9 @@ def grpo_after_sft(sft: Path, out: Path, grpo_config: str, grpo_steps: int, *ext
                                         "--layout.reference", "0", "--layout.reward", "0", *extra], nproc=1)
 
 
-def run_pipeline(tmp_path: Path, task: str, sft_config: str, grpo_config: str, sft_steps: int, grpo_steps: int
-                 ) -> tuple[dict, subprocess.CompletedProcess]:
-    """A shipped pipeline, shortened: SFT (`trained_sft`), then GRPO (`grpo_after_sft`). The SFT run's metrics and
-    the GRPO run."""
-    trained_sft(tmp_path, task, sft_config, sft_steps)
+def run_pipeline(tmp_path: Path, task: str, sft_config: str, grpo_config: str, sft_steps: int, grpo_steps: int,
+                 *sft_extra: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """A shipped pipeline, shortened: SFT (`trained_sft`, with the overrides `sft_extra`), then GRPO
+    (`grpo_after_sft`). The SFT run's metrics and the GRPO run."""
+    trained_sft(tmp_path, task, sft_config, sft_steps, *sft_extra)
     return read_metrics(tmp_path / "sft"), grpo_after_sft(tmp_path, tmp_path / "grpo", grpo_config, grpo_steps)

@@ -80,9 +80,10 @@ def test_selfplay_learns_tictactoe(tictactoe_sft, tmp_path):
 
 
 def test_rae_baselines_and_the_snapshot_pool_survive_a_resume(tictactoe_sft, tmp_path):
-    """RAE's EMA baselines and the frozen opponent's pool of snapshots are in the checkpoint: a run stopped at step 2
-    and resumed logs the straight run's step 3; half the games in self-play, a quarter each against the
-    random bot and a frozen opponent (its own engine) drawn per row from a pool of the last 3 snapshots, one a step."""
+    """RAE's EMA baselines and the frozen opponent's pool of snapshots are in the checkpoint: a run resumed from the
+    straight run's step-2 checkpoint logs its step 3 (a stopped run's resume: test_grpo_e2e.py); half the games in
+    self-play, a quarter each against the random bot and a frozen opponent (its own engine) drawn per row from a
+    pool of the last 3 snapshots, one a step."""
     config = tmp_path / "mixed.yaml"
     config.write_text((REPO / "configs/grpo/tiny_tictactoe.yaml").read_text().replace(
         "    self: 1.0", "    self: 0.5\n    frozen: 0.25\n    random: 0.25"))
@@ -90,8 +91,8 @@ def test_rae_baselines_and_the_snapshot_pool_survive_a_resume(tictactoe_sft, tmp
              "--ckpt.save_every", "2", "--game.advantage", "rae", "--game.frozen_refresh_every", "1",
              "--game.pool_size", "3")
     selfplay(tictactoe_sft, tmp_path / "straight", *extra, config=str(config))
-    selfplay(tictactoe_sft, tmp_path / "resumed", *extra, "--train.stop_at_step", "2", config=str(config))
-    selfplay(tictactoe_sft, tmp_path / "resumed", *extra, config=str(config))
+    selfplay(tictactoe_sft, tmp_path / "resumed", *extra, "--ckpt.resume",
+             str(tmp_path / "straight" / "checkpoints" / "step_000002"), config=str(config))
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
     assert_same_curve(resumed, straight, range(3, 4))
     meta = json.loads(sorted((tmp_path / "resumed").glob("checkpoints/*/meta.json"))[-1].read_text())

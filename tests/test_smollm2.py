@@ -167,9 +167,9 @@ def test_python_traces_compute_the_gold_answer_in_the_sandbox(tmp_path):
 
 def test_sft_then_grpo_configs_raise_the_reward_on_smollm2(smollm2, one_step_problems, tmp_path):
     """`make run-smol`, shortened, on one-step problems: 10 SFT steps on 2 ranks imitate the careless teacher,
-    then 2 GRPO steps with the shipped config (2 replicated policy ranks, a vLLM engine each, math-verify for
-    the true answer) unlearn it: held-out greedy accuracy, the reward on 32 unseen problems, rises by more
-    than 3 of its standard errors (the training reward of 8 problems a step is too noisy to test)."""
+    then 2 GRPO steps of 4 problems with the shipped config (2 replicated policy ranks, a vLLM engine each,
+    math-verify for the true answer) unlearn it: held-out greedy accuracy, the reward on 32 unseen problems, rises
+    by more than 3 of its standard errors (the training reward of 4 problems a step is too noisy to test)."""
     data = ["--data.path", str(one_step_problems / "train.jsonl"),
             "--data.eval_path", str(one_step_problems / "eval.jsonl")]
     run_script("train_sft.py", ["--config", "configs/sft/smollm2_gsm8k_style.yaml", "--model.path", str(smollm2),
@@ -183,13 +183,14 @@ def test_sft_then_grpo_configs_raise_the_reward_on_smollm2(smollm2, one_step_pro
     proc = run_script("train_grpo.py", ["--config", "configs/grpo/smollm2_gsm8k_style.yaml",
                                         "--model.path", str(tmp_path / "sft" / "hf"), *data,
                                         "--out_dir", str(tmp_path / "grpo"), "--train.steps", "2",
+                                        "--train.prompts_per_step", "4",
                                         "--sampling.max_tokens", "48", "--optim.lr", "2e-5",
                                         "--data.eval_rows", "32"], nproc=2)
     grpo = read_metrics(tmp_path / "grpo")
     before, after = (float(x) for x in re.search(
         r"held-out accuracy: greedy ([\d.]+) -> ([\d.]+) \(32 rows, s.e. [\d.]+\) \(step 0 -> 2\)", proc.stdout).groups())
     training_rewards = [round(grpo[step]["reward/mean"], 3) for step in range(1, 3)]
-    assert after > before + 0.25, (before, after, training_rewards)      # fp32 (Zen 3) 0.19 -> 0.72 measured
+    assert after > before + 0.25, (before, after, training_rewards)      # fp32 (Zen 3) 0.19 -> 0.66 measured
     assert all(grpo[step]["reward/errors"] == 0 for step in grpo) and "eval/accuracy_sampled" not in grpo[2]
     from forge_core.model import cpu_prefers_bf16      # the config's precision, bf16_if_native, decided by this CPU
     assert ("grpo: trainer bf16, engine bfloat16" if cpu_prefers_bf16() else "grpo: trainer fp32, engine float32") \
