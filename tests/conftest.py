@@ -21,7 +21,7 @@ sys.dont_write_bytecode = False
 
 # `make test` runs two files at a time (xdist, --dist loadfile), handing out whole files in collection order
 # (--no-loadscope-reorder): the longest ones go first, so that none starts last while the other worker idles.
-# In order of their tests' summed durations in CI on a Zen 3 (fp32 there): 15 minutes of a worker for the
+# In order of their tests' summed durations in CI on a Zen 3 (fp32 there): 10 minutes of a worker for the
 # SmolLM2 file down to 2 for test_ckpt_integrity.py; every other file under 2.
 LONGEST_FILES_FIRST = ["test_smollm2.py", "test_games.py", "test_grpo_e2e.py", "test_agentic.py", "test_bench.py",
                        "test_sft.py", "test_pipelines.py", "test_fault_tolerance.py", "test_qwen3.py", "test_slurm.py",
