@@ -31,7 +31,7 @@ from forge_core.dist import (DistConfig, Layout, Roles, close_dist, exchange, in
                               run_main, set_phase, wait_idle)
 from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check_kv_cache, check_tensor_parallel,
                                context_length, engine_dtype, engine_group, generate, join_engine_groups)
-from forge_core.env import EnvConfig, load_env, run_episodes, stop_strings
+from forge_core.env import EnvConfig, engine_args, load_env, run_episodes, stop_strings
 from forge_core.game_eval import describe_games, evaluate_games, exploitability_metrics
 from forge_core.games import RAE, GameConfig, check_game, game_sampler, is_game, opponents_of
 from forge_core.exchange import receive_scores, send_rollout, serve
@@ -658,8 +658,8 @@ def main() -> None:
     engines = {"policy": None, "frozen": None}
     frozen = game and "frozen" in opponents_of(cfg.game)
     for player in ("policy", "frozen")[:1 + frozen]:    # a frozen opponent: an engine of its own (docs/design.md)
-        engines[player] = build_engine(cfg.model.path, cfg.engine, cfg.train.seed, roles) if roles.is_policy \
-            else join_engine_groups(roles)
+        engines[player] = build_engine(cfg.model.path, cfg.engine, cfg.train.seed, roles, engine_args(cfg.env)) \
+            if roles.is_policy else join_engine_groups(roles)
     steps = range(start_step, min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps))
     # Python's collector: the model, engine and data live for the whole run, so later collections skip them
     # (freeze); vLLM makes thousands of short-lived objects per step, so young ones are collected less often.

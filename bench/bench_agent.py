@@ -1,113 +1,180 @@
-"""Agentic GRPO on the calculator job (configs/grpo/tiny_calculator.yaml, 3 ranks): the cost of turns. The turn
-loop's generation tokens/s beside one single-turn generate of as many tokens per sample on the same engine
-settings, the share of a step spent waiting on tools, and the step's phases.
+"""Multi-turn rollouts against single-turn generation: the turn loop's model tokens/s beside one single-turn
+generate of the same tokens, on the calculator, the guessing game and TicTacToe self-play, in lock-step turns and
+as continuous episodes (`env.schedule`; games play in rounds). One rank, one engine per job, the job's engine
+settings (on CPU with unchunked prefills: continuous episodes need them, and both schedules and the peers share the
+engine).
 
-    python bench/bench_agent.py                      # about 3 minutes on 2 CPU cores, after `make run-agent`
-    python bench/bench_agent.py --model artifacts/tiny_calculator/init --steps 4 --warmup_steps 1
+    python bench/bench_agent.py                          # about 2 minutes on 2 CPU cores
+    python bench/bench_agent.py --env_delay_ms 50        # every environment step 50 ms slower (a slow tool)
 
-- ours: train_grpo.py with the Calculator environment; medians over the steps after --warmup_steps of
-  OUT/metrics.jsonl (generation excludes the tools' seconds, which are a phase of their own).
-- single-turn peer: a plain-process vLLM engine (fp32, eager, same KV block size and max_num_seqs) on the same
-  prompts, one request of n=G samples each, every sample exactly as many tokens as the turn loop's median episode
-  generated (min_tokens = max_tokens, EOS ignored), token ids only.
-Target: the turn loop's generation tokens/s at least 0.8 of the single-turn generate's.
+- turn loop: `run_episodes` (or `play_games`) on the job's first train.prompts_per_step rows, G episodes each;
+  model tokens over the rollout's wall time less the seconds the engine waited for environment calls (what
+  train_grpo.py logs as perf/generate_tokens_per_s); medians over --repeats rollouts after one untimed.
+- single-turn peer (same engine, right after each lock-step rollout): one request per episode on its first prompt,
+  exactly as many tokens as the episode's model tokens (min_tokens = max_tokens, EOS ignored): the same tokens
+  with the same length spread. `fixed-length peer`: every sample the mean length (the spread's cost).
+- engine steps: `llm_engine.step` calls per rollout (a lock-step turn lasts as long as its longest episode).
+Models: each job's SFT model when its `make run-*` made one, else its untrained init (said in the table).
+Target: the turn loop's tokens/s at least 0.8 of the single-turn peer's.
 """
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 from bench_grpo import REPO, last_json, run_checked, torchrun
 
-FIGURES = ("time/step", "time/generate", "time/tools", "time/score", "time/train", "time/sync",
-           "perf/generate_tokens_per_s", "episode/turns", "episode/tool_calls", "episode/model_tokens",
-           "episode/env_tokens", "reward/mean")
+JOBS = {"calculator": ("configs/grpo/tiny_calculator.yaml", "runs/sft-tiny-calculator/hf", "artifacts/tiny_calculator/init"),
+        "guess": ("configs/grpo/tiny_guess.yaml", "runs/sft-tiny-guess/hf", "artifacts/tiny_guess/init"),
+        "tictactoe": ("configs/grpo/tiny_tictactoe.yaml", "runs/sft-tiny-tictactoe/hf", "artifacts/tiny_tictactoe/init")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="runs/sft-tiny-calculator/hf", help="start model (from `make run-agent`)")
-    p.add_argument("--config", default="configs/grpo/tiny_calculator.yaml")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup_steps", type=int, default=3, help="first steps are not timed")
-    p.add_argument("--worker", choices=["single_turn"], help="internal: run the peer, print JSON")
-    p.add_argument("--spec", default=None, help="internal: the worker's JSON input file")
+    p.add_argument("--jobs", nargs="+", default=list(JOBS), choices=list(JOBS))
+    p.add_argument("--repeats", type=int, default=5, help="timed rollouts per schedule")
+    p.add_argument("--env_delay_ms", type=float, default=0.0, help="added to every environment step")
+    p.add_argument("--config", default=None, help="with one job: its config instead of the default")
+    p.add_argument("--model", default=None, help="with one job: its model instead of the default")
+    p.add_argument("--worker", default=None, help="internal: the job this torchrun worker measures")
     return p.parse_args(argv)
 
 
-def single_turn_worker(spec: dict) -> dict:
-    from vllm import LLM, SamplingParams
+class StepCounter:
+    """Counts an engine's `llm_engine.step` calls."""
+
+    def __init__(self, engine):
+        self.engine, self.steps = engine.llm_engine, 0
+        self.step = self.engine.step
+        self.engine.step = self._counted
+
+    def _counted(self):
+        self.steps += 1
+        return self.step()
+
+    def take(self) -> int:
+        steps, self.steps = self.steps, 0
+        return steps
+
+
+def peer_rate(engine, rollout, counter: StepCounter, fixed: bool) -> dict:
+    """Single-turn generate of each sequence's model tokens from its first prompt (`fixed`: all the mean length)."""
+    from vllm import SamplingParams
+    played = [(ids[mask.bool()].tolist(), int(n)) for ids, mask, n in
+              zip(rollout.prompt_ids, rollout.prompt_mask, rollout.model_mask.sum(dim=1)) if n > 0]  # a seat that moved
+    prompts, lengths = [{"prompt_token_ids": ids} for ids, _ in played], [n for _, n in played]
+    if fixed:
+        lengths = [round(sum(lengths) / len(lengths))] * len(lengths)
+    params = [SamplingParams(n=1, max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=0, detokenize=False)
+              for n in lengths]
+    counter.take()
+    t0 = time.perf_counter()
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    return {"tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outputs) / seconds, "steps": counter.take()}
+
+
+def measure(config: str, model: str, repeats: int, env_delay_ms: float) -> dict:
     sys.path.insert(0, str(REPO))
-    from forge_core.engine import cpu_engine_setup, norm_kernels
-    cpu_engine_setup(enforce_eager=True)     # as our engines run
-    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, kv_cache_memory_bytes=2**28, seed=0,
-              block_size=spec["block_size"], max_num_seqs=spec["max_num_seqs"], **norm_kernels())
-    params = SamplingParams(n=spec["G"], max_tokens=spec["tokens"], min_tokens=spec["tokens"], ignore_eos=True,
-                            temperature=1.0, logprobs=0, detokenize=False)
-    rates = []
-    for _ in range(spec["repeats"]):
-        t0 = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": ids} for ids in spec["prompts"]], params, use_tqdm=False)
-        rates.append(sum(len(c.token_ids) for o in outputs for c in o.outputs) / (time.perf_counter() - t0))
-    return {"tokens_per_s": statistics.median(rates[1:])}
-
-
-def run_ours(args: argparse.Namespace, out_dir: str) -> dict[str, float]:
-    run_checked(torchrun(3, "train_grpo.py", "--config", args.config, "--model.path", args.model, "--out_dir",
-                         out_dir, "--ckpt.resume", "never", "--ckpt.save_every", "0", "--train.eval_every", "0",
-                         "--data.eval_rows", "16", "--train.steps", str(args.steps)))
-    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in rows if r["step"] > args.warmup_steps]
-    return {k: statistics.median(r[k] for r in timed) for k in FIGURES}
-
-
-def peer_spec(args: argparse.Namespace, tokens: int) -> dict:
-    sys.path.insert(0, str(REPO))
+    import torch
     from forge_core.config import load_config
-    from forge_core.data import chat_prompt_ids, read_rows
-    from train_grpo import GRPOConfig
-    from transformers import AutoTokenizer
-    cfg = load_config(GRPOConfig, ["--config", args.config])
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    from forge_core.data import read_rows
+    from forge_core.dist import Layout, init_roles
+    from forge_core.engine import build_engine
+    from forge_core.env import engine_args, load_env, run_episodes
+    from forge_core.games import is_game, play_games
+    from forge_core.model import load_tokenizer
+    from train_grpo import ENVIRONMENTS_PY, GRPOConfig
+    cfg = load_config(GRPOConfig, ["--config", config, "--model.path", model])
+    init_roles(Layout(policy=1, reference=0, reward=0))
+    tokenizer = load_tokenizer(cfg.model)
+    env_class = load_env(cfg.env, ENVIRONMENTS_PY)
+    game = is_game(env_class, cfg.env)
+    if env_delay_ms:
+        env_class.step = slowed(env_class.step, env_delay_ms / 1e3)
+    engine = build_engine(model, cfg.engine, seed=0, vllm_args=engine_args(dataclasses.replace(cfg.env, schedule="continuous")))
+    counter = StepCounter(engine)
     rows = read_rows(cfg.data.path)[:cfg.train.prompts_per_step]
-    return {"model": args.model, "prompts": [chat_prompt_ids(tokenizer, r["prompt"]) for r in rows],
-            "G": cfg.sampling.num_generations, "tokens": tokens, "repeats": 6, "block_size": cfg.engine.block_size,
-            "max_num_seqs": cfg.engine.max_num_seqs}
+    index = list(range(len(rows)))
+
+    def rollout(schedule: str, seed: int):
+        if game:
+            players = env_class(**cfg.env.args).players
+            return play_games({"policy": engine, "frozen": None}, tokenizer, env_class, rows, index, ["self"] * len(rows),
+                              [i % players for i in index], cfg.sampling, cfg.env, cfg.game, seed)
+        env_cfg = dataclasses.replace(cfg.env, schedule=schedule)
+        return run_episodes(engine, tokenizer, env_class, rows, index, cfg.sampling, env_cfg, seed)
+
+    figures: dict[str, list[dict]] = {}
+    schedules = ["turns"] if game else ["turns", "continuous"]
+    for repeat in range(repeats + 1):
+        for schedule in schedules:
+            counter.take()
+            t0 = time.perf_counter()
+            out = rollout(schedule, seed=repeat)
+            wall = time.perf_counter() - t0
+            tokens = out.model_mask.sum().item()
+            waited = out.seconds.get("tools", 0.0)
+            figures.setdefault(schedule, []).append(
+                {"tokens_per_s": tokens / (wall - waited), "steps": counter.take(), "wall_s": wall,
+                 "waited_s": waited, "env_calls_s": out.seconds.get("env_calls", waited),
+                 "model_tokens": tokens / len(out), "turns": out.episode.get("turns", torch.zeros(1)).mean().item()})
+            if schedule == "turns":
+                figures.setdefault("peer", []).append(peer_rate(engine, out, counter, fixed=False))
+                figures.setdefault("fixed", []).append(peer_rate(engine, out, counter, fixed=True))
+    return {name: {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]} for name, runs in figures.items()}
 
 
-def report(ours: dict[str, float], peer: dict, tokens: int) -> str:
-    ratio = ours["perf/generate_tokens_per_s"] / peer["tokens_per_s"]
-    lines = ["| figure | value |", "|---|---:|"]
-    lines += [f"| {k} | {v:.4g} |" for k, v in ours.items()]
-    lines += ["", "| generation | tokens/s | ratio | target |", "|---|---:|---:|---|",
-              f"| turn loop ({ours['episode/turns']:.2f} turns, {ours['episode/model_tokens']:.1f} model tokens "
-              f"per episode) | {ours['perf/generate_tokens_per_s']:.0f} | {ratio:.2f} | >= 0.8: "
-              f"**{'yes' if ratio >= 0.8 else 'no'}** |",
-              f"| single-turn generate, {tokens} tokens per sample | {peer['tokens_per_s']:.0f} | 1.00 | |",
-              "", f"waiting on tools: {ours['time/tools'] / ours['time/step']:.1%} of a step "
-              f"({ours['time/tools'] * 1e3:.1f} ms of {ours['time/step']:.3f} s)"]
+def slowed(step, seconds: float):
+    def step_later(self, action):
+        time.sleep(seconds)
+        return step(self, action)
+    return step_later
+
+
+def report(results: dict[str, dict], delay_ms: float) -> str:
+    lines = [f"environment steps {delay_ms:g} ms slower" if delay_ms else "environments as they are",
+             "| job (model) | rollout | model tokens/s | ratio to peer | engine steps | turns | model tokens per "
+             "episode | wall (s) | waited on env / env calls (s) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for job, (model, r) in results.items():
+        peer = r["peer"]["tokens_per_s"]
+        for name in ("turns", "continuous", "peer", "fixed"):
+            if name not in r:
+                continue
+            f = r[name]
+            label = {"turns": "turn loop, lock-step", "continuous": "turn loop, continuous",
+                     "peer": "single-turn peer", "fixed": "fixed-length peer"}[name]
+            ratio = f["tokens_per_s"] / peer
+            mark = f" ({'>=' if ratio >= 0.8 else '<'} 0.8)" if name in ("turns", "continuous") else ""
+            extra = (f"{f['turns']:.2f} | {f['model_tokens']:.1f} | {f['wall_s']:.3f} | {f['waited_s']:.3f} / "
+                     f"{f['env_calls_s']:.3f}" if "turns" in f else " | | | ")
+            lines.append(f"| {job} ({model}) | {label} | {f['tokens_per_s']:.0f} | {ratio:.3f}{mark} | "
+                         f"{f['steps']:.0f} | {extra} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     args = parse_args()
     if args.worker:
-        print(json.dumps(single_turn_worker(json.loads(Path(args.spec).read_text()))))
+        sys.path.insert(0, str(REPO))
+        from forge_core.dist import run_main
+        run_main(lambda: print(json.dumps(measure(args.config, args.model, args.repeats, args.env_delay_ms))))
         return
-    if not (Path(args.model) / "config.json").is_file():
-        sys.exit(f"bench error: no model at {args.model}: run `make run-agent` first, or pass --model")
-    with tempfile.TemporaryDirectory() as out_dir:
-        ours = run_ours(args, out_dir)
-    tokens = max(1, round(ours["episode/model_tokens"]))
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as spec:
-        json.dump(peer_spec(args, tokens), spec)
-        spec.flush()
-        peer = last_json(run_checked([sys.executable, __file__, "--worker", "single_turn", "--spec", spec.name])[0])
-    print(report(ours, peer, tokens))
-    print("raw numbers: " + json.dumps({"ours": ours, "single_turn": peer}))
+    if (args.config or args.model) and len(args.jobs) > 1:
+        sys.exit("bench error: --config and --model are for one job (--jobs NAME)")
+    results = {}
+    for job in args.jobs:
+        config, trained, init = JOBS[job]
+        model = args.model or (trained if (REPO / trained / "config.json").is_file() else init)
+        if not (REPO / model / "config.json").is_file():
+            sys.exit(f"bench error: no model at {model}: run `make {init}/config.json` (or its make run-*) first")
+        out, _ = run_checked(torchrun(1, __file__, "--worker", job, "--config", args.config or config, "--model",
+                                      model, "--repeats", str(args.repeats), "--env_delay_ms", str(args.env_delay_ms)))
+        results[job] = ("SFT" if model == trained else "given" if args.model else "untrained", last_json(out))
+    print(report(results, args.env_delay_ms))
+    print("raw numbers: " + json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ down into these modules, one concern each:
     rollout   the Rollout batch and its layouts: padding, the deal of groups over ranks, shared prompts
     engine    the colocated vLLM engine: building it, sampling params, seeded draws, generate
     sync      FSDP shards into the engines by collectives (never through files)
-    env       multi-turn episodes: the environment protocol and the turn loop
+    env       multi-turn episodes: the environment protocol and the turn loop (lock-step or continuous)
+    calls     user code called from threads, bounded in time: a pool whose hung calls are left behind
     games     games with seats: who plays each (self, a frozen snapshot, bots), the rounds, RAE
     game_eval held-out play against each opponent, a game's exploitability, a run's before -> after lines
     snapshots the frozen opponent's pool of past policy snapshots, each rank a share, drawn per row

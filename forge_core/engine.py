@@ -154,19 +154,23 @@ def inverse_cdf_sampling() -> None:
     log-softmax included in both (one core, Xeon; the SmolLM2 job generates 18-26% more tokens/s). The sums are
     float32: a token's probability moves by at most ~1e-7 (total variation 1e-5 to 4e-4 on rows of 49,152
     random logits, the flatter the row the more; the engine's bf16 logits are further from the trainer's).
-    Requests with seeds of their own keep vLLM's per-request streams (we seed the process instead). vLLM binds
-    the draw when it builds its sampler, so this runs before an engine is built; it replaces vLLM's method."""
+    A request with a seed of its own draws its number from its own generator (vLLM's per-request stream), the others
+    from the process's. vLLM binds the draw when it builds its sampler, so this runs before an engine is built; it
+    replaces vLLM's method."""
     from vllm.v1.sample.ops import topk_topp_sampler as vllm_sampler
     gumbel_max = vllm_sampler.TopKTopPSampler.forward_cpu
 
     def forward_cpu(self, logits: Tensor, generators: dict, k: Tensor | None, p: Tensor | None):
-        if generators or self.use_fp64_gumbel:
+        if self.use_fp64_gumbel:
             return gumbel_max(self, logits, generators, k, p)
         logits = vllm_sampler.apply_top_k_top_p(logits, k, p)
         logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
         cdf = logprobs.exp().cumsum_(dim=-1)
         total = cdf[:, -1:]
-        below_total = torch.minimum(torch.rand_like(total) * total, total.nextafter(torch.zeros_like(total)))
+        uniform = torch.rand_like(total)
+        for row, generator in generators.items():
+            uniform[row] = torch.rand(1, generator=generator)
+        below_total = torch.minimum(uniform * total, total.nextafter(torch.zeros_like(total)))
         tokens = torch.searchsorted(cdf, below_total, right=True).view(-1)   # never a token of probability 0
         return tokens, {"processed_logits": logits, "processed_logprobs": logprobs}.get(self.logprobs_mode)
 

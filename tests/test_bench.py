@@ -57,7 +57,8 @@ def test_gemm_bench_prints_every_linear(tiny):
 
 
 def test_agent_bench_prints_the_cost_of_turns(tmp_path):
-    """bench/bench_agent.py on a few steps of the calculator job from an untrained model (its episodes are short)."""
+    """bench/bench_agent.py on the calculator job from an untrained model (its episodes are short): both schedules,
+    the single-turn peer of the same tokens, the engine steps."""
     import subprocess
     import sys
     subprocess.run([sys.executable, str(REPO / "tools" / "build_tiny.py"), "--task", "calculator", "--out",
@@ -66,11 +67,13 @@ def test_agent_bench_prints_the_cost_of_turns(tmp_path):
     config["data"] |= {"path": str(tmp_path / "calc" / "data" / "train.jsonl"),
                        "eval_path": str(tmp_path / "calc" / "data" / "eval.jsonl")}
     (tmp_path / "calc.yaml").write_text(yaml.safe_dump(config))
-    proc = run_script("bench/bench_agent.py", ["--config", str(tmp_path / "calc.yaml"), "--model",
-                                               str(tmp_path / "calc" / "init"), "--steps", "3", "--warmup_steps", "1"])
-    assert "| turn loop (" in proc.stdout and "| single-turn generate," in proc.stdout
-    raw = json.loads(proc.stdout.split("raw numbers: ")[1].splitlines()[0])
-    assert raw["ours"]["perf/generate_tokens_per_s"] > 0 and raw["single_turn"]["tokens_per_s"] > 0
+    proc = run_script("bench/bench_agent.py", ["--jobs", "calculator", "--config", str(tmp_path / "calc.yaml"),
+                                               "--model", str(tmp_path / "calc" / "init"), "--repeats", "1"])
+    for row in ("| turn loop, lock-step |", "| turn loop, continuous |", "| single-turn peer |"):
+        assert row in proc.stdout, row
+    raw = json.loads(proc.stdout.split("raw numbers: ")[1].splitlines()[0])["calculator"][1]
+    assert raw["turns"]["tokens_per_s"] > 0 and raw["continuous"]["tokens_per_s"] > 0 and raw["peer"]["steps"] > 0
+    assert raw["turns"]["model_tokens"] == pytest.approx(raw["continuous"]["model_tokens"], rel=0.5)
 
 
 def test_reward_bench_prints_inline_against_the_pool():

@@ -148,6 +148,34 @@ def test_an_environment_that_calls_sys_exit_fails_its_call_at_once(capsys):
     assert "env: Exits.reset raised SystemExit: 3; such episodes end as env_error" in capsys.readouterr().err
 
 
+def test_a_hung_call_costs_its_own_answer_and_its_thread_only():
+    """CallPool: with one worker, a call that hangs answers None after timeout_s and a new thread runs the calls
+    queued behind it; a call still waiting twice timeout_s after it was asked for is not run."""
+    from forge_core.calls import CallPool
+    pool, ran = CallPool(workers=1, timeout_s=0.3), []
+
+    def call(seconds: float, name: str) -> str:
+        time.sleep(seconds)
+        ran.append(name)
+        return name
+    for seconds, name in ((5.0, "hangs"), (0.0, "behind"), (0.0, "also behind")):
+        pool.ask(name, call, seconds, name)
+    answers = {}
+    while pool.pending():
+        answers |= dict(pool.answers(wait=True))
+    assert answers == {"hangs": None, "behind": "behind", "also behind": "also behind"} and pool.late == 1
+    assert ran == ["behind", "also behind"] and 0.25 < pool.busy_s < 1.0, pool.busy_s
+    late = CallPool(workers=1, timeout_s=0.2)
+    for name in ("a", "b", "c"):
+        late.ask(name, call, 0.15, name)        # c waits 0.3 s, under 2 * timeout_s: it runs
+    late.ask("d", call, 5.0, "d")               # hangs 0.2 s, so e has waited 0.65 s > 0.4 s: not run
+    late.ask("e", call, 0.0, "e")
+    answers = {}
+    while late.pending():
+        answers |= dict(late.answers(wait=True))
+    assert answers == {"a": "a", "b": "b", "c": "c", "d": None, "e": None} and late.late == 2
+
+
 def test_a_bad_environment_name_is_one_line():
     with pytest.raises(ForgeError, match=r"config error: env.name: no 'Maze' in /.*/environments.py"):
         load_env(EnvConfig(name="Maze"), ENVIRONMENTS_PY)

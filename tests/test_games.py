@@ -101,7 +101,7 @@ def test_rae_baselines_and_the_snapshot_pool_survive_a_resume(tictactoe_sft, tmp
 
 def test_bad_games_fail_in_one_line(tmp_path):
     """A game OpenSpiel does not know fails at start-up, before any model loads; an environment whose players and
-    turns disagree, and a move for a finished game, are one-line errors too."""
+    turns disagree, a move for a finished game, and continuous episodes for a game are one-line errors too."""
     config = tmp_path / "bad.yaml"
     config.write_text((REPO / "configs/grpo/tiny_tictactoe.yaml").read_text().replace("game: tic_tac_toe",
                                                                                     "game: tic_tac_tow"))
@@ -119,6 +119,8 @@ def test_bad_games_fail_in_one_line(tmp_path):
         game.step("o(2,2)")
     with pytest.raises(ForgeError, match="game opponent 'minimax' is none of"):
         check_game(OpenSpielGame, EnvConfig(), GameConfig(opponents={"minimax": 1.0}), {"seed": 0}, 8, 8, 1, 1)
+    with pytest.raises(ForgeError, match="env.schedule=continuous is for environments"):
+        check_game(OpenSpielGame, EnvConfig(schedule="continuous"), GameConfig(), {"seed": 0}, 8, 8, 1, 1)
 
 
 def test_kuhn_exploitability_reads_every_information_state():
