@@ -27,10 +27,11 @@ class CallPool:
         self.numbered, self.late, self.closed = 0, 0, False
         self.busy_s, self.busy_since = 0.0, 0.0     # wall seconds with a call running
 
-    def ask(self, key: Hashable, call: Callable, *args) -> None:
-        """Run `call(*args)`; its result comes back from `answers` as (key, result)."""
+    def ask(self, key: Hashable, call: Callable, *args, asked: float | None = None) -> None:
+        """Run `call(*args)`; its result comes back from `answers` as (key, result). `asked`: the time (monotonic) its
+        wait counts from, when that is before now (a batch's start: none of its calls can have started before)."""
         with self.changed:
-            self.waiting.append((key, call, args, time.monotonic()))
+            self.waiting.append((key, call, args, time.monotonic() if asked is None else asked))
             self._grow()
             self.changed.notify()
 

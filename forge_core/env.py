@@ -282,11 +282,13 @@ def take_turn(episode: Episode, sample, stops: list[str]) -> tuple[str, str]:
 
 def bounded_calls(call, episodes: list, args: list, cfg: EnvConfig, spared: frozenset[int]) -> list:
     """`call(episode, arg)` for each episode (or game) on a `CallPool` of `cfg.workers` threads; the results in
-    order, None for a call not back `cfg.timeout_s` after it started or not started within twice that. Then every
+    order, None for a call not back `cfg.timeout_s` after it started or not started within twice that of the batch's
+    start (so a call queued behind hung ones is dropped before their replacements could take it). Then every
     process the calls started (this rank's descendants but the `spared`) is killed, daemons included."""
     pool, results = CallPool(cfg.workers, cfg.timeout_s), [None] * len(episodes)
+    asked = time.monotonic()    # the batch's start, before any call: a wait counts from it, whatever the asking took
     for i, (episode, arg) in enumerate(zip(episodes, args)):
-        pool.ask(i, call, episode, arg)
+        pool.ask(i, call, episode, arg, asked=asked)
     while pool.pending():
         for i, result in pool.answers(wait=True):
             results[i] = result
