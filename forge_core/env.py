@@ -66,8 +66,8 @@ from .calls import CallPool
 from .processes import descendants, end_descendants_but, subreaping
 from .rollout import Rollout, pad_left, pad_right
 
-__all__ = ["EnvConfig", "END_REASONS", "engine_args", "load_env", "stop_strings", "run_episodes", "Episode", "take_turn",
-           "bounded_calls", "env_error", "observation_ids", "to_rollout", "subreaping"]
+__all__ = ["EnvConfig", "END_REASONS", "engine_args", "load_env", "stop_strings", "run_episodes", "Episode",
+           "take_turn", "bounded_calls", "env_error", "observation_ids", "to_rollout", "subreaping"]
 
 END_REASONS = ("done", "max_turns", "budget", "env_error")
 TOOL_COUNTS = ("tool_errors", "tool_timeouts")          # optional counters of an environment instance
@@ -172,15 +172,15 @@ def _turns(engine, tokenizer, episodes: list[Episode], stops: list[str], samplin
     tool_seconds = 0.0
     limit, end = max_model_len(engine), turn_end(tokenizer)
     for turn in range(cfg.max_turns):
-        for episode in episodes:        # a context the engine cannot take (a long first message) ends its episode
-            if episode.end_reason is None and len(episode.context()) >= limit:
-                episode.end_reason = "budget"
-        running = [e for e in episodes if e.end_reason is None]
+        running, params = [], []
+        for episode in episodes:
+            turn_params = _turn_params(episode, sampling, cfg, greedy, stops, end.ids, limit) \
+                if episode.end_reason is None else None
+            if turn_params is not None:
+                running.append(episode)
+                params.append(turn_params)
         if not running:
             break
-        room = [min(sampling.max_tokens, cfg.max_episode_tokens - len(e.ids), limit - len(e.context())) for e in running]
-        params = [sampling_params(sampling, greedy, n=1, stop=stops, include_stop_str_in_output=True,
-                                  stop_token_ids=list(end.ids), max_tokens=tokens) for tokens in room]
         with seeded_draws(seed + turn):
             outputs = engine.generate([{"prompt_token_ids": e.context()} for e in running], params, use_tqdm=False)
         actions = [take_turn(e, out.outputs[0], stops) for e, out in zip(running, outputs)]
@@ -219,15 +219,11 @@ def _continuous(engine, tokenizer, episodes: list[Episode], stops: list[str], sa
                 joining += [i] if episodes[i].end_reason is None else []
             for i in joining:
                 e = episodes[i]
-                if len(e.context()) >= limit:       # a context the engine cannot take ends its episode
-                    e.end_reason = "budget"
-                    continue
-                room = min(sampling.max_tokens, cfg.max_episode_tokens - len(e.ids), limit - len(e.context()))
-                params = sampling_params(sampling, greedy, n=1, stop=stops, include_stop_str_in_output=True,
-                                         stop_token_ids=list(end.ids), max_tokens=room,
-                                         seed=None if greedy else hash((seed, i, e.turns)) % 2**31)
-                params.output_kind = RequestOutputKind.FINAL_ONLY
-                llm.add_request(f"{i}.{e.turns}", {"prompt_token_ids": e.context()}, params)
+                params = _turn_params(e, sampling, cfg, greedy, stops, end.ids, limit,
+                                      seed=None if greedy else hash((seed, i, e.turns)) % 2**31)
+                if params is not None:
+                    params.output_kind = RequestOutputKind.FINAL_ONLY
+                    llm.add_request(f"{i}.{e.turns}", {"prompt_token_ids": e.context()}, params)
             joining = []
             if not llm.has_unfinished_requests():
                 continue
@@ -243,6 +239,18 @@ def _continuous(engine, tokenizer, episodes: list[Episode], stops: list[str], sa
     end_descendants_but(spared)
     _report_late(calls.late, cfg)
     return waited, calls.busy_s
+
+
+def _turn_params(episode: Episode, sampling: SamplingConfig, cfg: EnvConfig, greedy: bool, stops: list[str],
+                 end_ids: tuple[int, ...], limit: int, seed: int | None = None):
+    """The sampling params of the episode's next turn, as many tokens as its budget and the engine's context leave;
+    None when its context is one the engine cannot take (a long first message): it ends as `budget`."""
+    if len(episode.context()) >= limit:
+        episode.end_reason = "budget"
+        return None
+    room = min(sampling.max_tokens, cfg.max_episode_tokens - len(episode.ids), limit - len(episode.context()))
+    return sampling_params(sampling, greedy, n=1, stop=stops, include_stop_str_in_output=True,
+                           stop_token_ids=list(end_ids), max_tokens=room, seed=seed)
 
 
 def _answers(calls: CallPool, wait: bool, spared: frozenset[int]) -> list[tuple[int, object]]:
