@@ -12,7 +12,8 @@ engine).
   train_grpo.py logs as perf/generate_tokens_per_s); medians over --repeats rollouts after one untimed.
 - single-turn peer (same engine, right after each lock-step rollout): one request per episode on its first prompt,
   exactly as many tokens as the episode's model tokens (min_tokens = max_tokens, EOS ignored): the same tokens
-  with the same length spread. `fixed-length peer`: every sample the mean length (the spread's cost).
+  with the same length spread. `peer + observations`: the same after the episode's observation tokens (all the
+  tokens a turn loop prefills, in one prompt). `fixed-length peer`: every sample the mean length (the spread's cost).
 - engine steps: `llm_engine.step` calls per rollout (a lock-step turn lasts as long as its longest episode).
 Models: each job's SFT model when its `make run-*` made one, else its untrained init (said in the table).
 Target: the turn loop's tokens/s at least 0.8 of the single-turn peer's.
@@ -59,11 +60,15 @@ class StepCounter:
         return steps
 
 
-def peer_rate(engine, rollout, counter: StepCounter, fixed: bool) -> dict:
-    """Single-turn generate of each sequence's model tokens from its first prompt (`fixed`: all the mean length)."""
+def peer_rate(engine, rollout, counter: StepCounter, fixed: bool = False, observations: bool = False) -> dict:
+    """Single-turn generate of each sequence's model tokens from its first prompt (`fixed`: all the mean length;
+    `observations`: the prompt followed by the episode's observation tokens, all the tokens a turn loop prefills)."""
     from vllm import SamplingParams
-    played = [(ids[mask.bool()].tolist(), int(n)) for ids, mask, n in
-              zip(rollout.prompt_ids, rollout.prompt_mask, rollout.model_mask.sum(dim=1)) if n > 0]  # a seat that moved
+    env_tokens = [ids[(mask == 1) & (model == 0)].tolist() if observations else [] for ids, mask, model in
+                  zip(rollout.completion_ids, rollout.completion_mask, rollout.model_mask)]
+    played = [(ids[mask.bool()].tolist() + env, int(n)) for ids, mask, n, env in
+              zip(rollout.prompt_ids, rollout.prompt_mask, rollout.model_mask.sum(dim=1), env_tokens)
+              if n > 0]  # a seat that moved
     prompts, lengths = [{"prompt_token_ids": ids} for ids, _ in played], [n for _, n in played]
     if fixed:
         lengths = [round(sum(lengths) / len(lengths))] * len(lengths)
@@ -122,7 +127,8 @@ def measure(config: str, model: str, repeats: int, env_delay_ms: float) -> dict:
                  "waited_s": waited, "env_calls_s": out.seconds.get("env_calls", waited),
                  "model_tokens": tokens / len(out), "turns": out.episode.get("turns", torch.zeros(1)).mean().item()})
             if schedule == "turns":
-                figures.setdefault("peer", []).append(peer_rate(engine, out, counter, fixed=False))
+                figures.setdefault("peer", []).append(peer_rate(engine, out, counter))
+                figures.setdefault("prefill", []).append(peer_rate(engine, out, counter, observations=True))
                 figures.setdefault("fixed", []).append(peer_rate(engine, out, counter, fixed=True))
     return {name: {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]} for name, runs in figures.items()}
 
@@ -140,12 +146,13 @@ def report(results: dict[str, dict], delay_ms: float) -> str:
              "episode | wall (s) | waited on env / env calls (s) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for job, (model, r) in results.items():
         peer = r["peer"]["tokens_per_s"]
-        for name in ("turns", "continuous", "peer", "fixed"):
+        for name in ("turns", "continuous", "peer", "prefill", "fixed"):
             if name not in r:
                 continue
             f = r[name]
             label = {"turns": "turn loop, lock-step", "continuous": "turn loop, continuous",
-                     "peer": "single-turn peer", "fixed": "fixed-length peer"}[name]
+                     "peer": "single-turn peer", "prefill": "peer + observations",
+                     "fixed": "fixed-length peer"}[name]
             ratio = f["tokens_per_s"] / peer
             mark = f" ({'>=' if ratio >= 0.8 else '<'} 0.8)" if name in ("turns", "continuous") else ""
             extra = (f"{f['turns']:.2f} | {f['model_tokens']:.1f} | {f['wall_s']:.3f} | {f['waited_s']:.3f} / "

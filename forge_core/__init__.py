@@ -14,6 +14,7 @@ down into these modules, one concern each:
     engine    the colocated vLLM engine: building it, sampling params, seeded draws, generate
     sync      FSDP shards into the engines by collectives (never through files)
     env       multi-turn episodes: the environment protocol and the turn loop (lock-step or continuous)
+    sessions  an episode's KV cache kept across its turns: vLLM streaming-input sessions on the sync engine
     calls     user code called from threads, bounded in time: a pool whose hung calls are left behind
     games     games with seats: who plays each (self, a frozen snapshot, bots), the rounds, RAE
     game_eval held-out play against each opponent, a game's exploitability, a run's before -> after lines

@@ -40,11 +40,13 @@ generation, so the engine waits for them wherever they are computed; here they c
 a tensor-parallel engine play the same episodes: the first runs the environments and broadcasts their answers).
 Steps run on a `CallPool`, `env.workers` at a time, so slow tools (a sandboxed subprocess releases the GIL)
 overlap. `env.schedule` says when: `turns` (default), after each batched `generate` of a turn; `continuous`, as each
-episode's turn is sampled, its next turn joining the engine as soon as the answer is back (docs/design.md: it wins
-on slow environment calls, not on instant ones).
+episode's turn is sampled, its next turn joining the engine as soon as the answer is back, as the next chunk of the
+episode's vLLM session, which keeps its KV cache across turns (forge_core/sessions.py; docs/design.md: it wins where
+episodes have many turns or slow environment calls, not on one-turn tool calls).
 Optional attributes an environment may count, summed into the step's metrics: `tool_errors`, `tool_timeouts`.
 """
 
+import functools
 import math
 import numbers
 import os
@@ -65,6 +67,7 @@ from .model import turn_end
 from .calls import CallPool
 from .processes import descendants, end_descendants_but, subreaping
 from .rollout import Rollout, pad_left, pad_right
+from .sessions import Sessions
 
 __all__ = ["EnvConfig", "END_REASONS", "engine_args", "load_env", "stop_strings", "run_episodes", "Episode",
            "take_turn", "bounded_calls", "env_error", "observation_ids", "to_rollout", "subreaping"]
@@ -196,43 +199,48 @@ def _continuous(engine, tokenizer, episodes: list[Episode], stops: list[str], sa
                 cfg: EnvConfig, seed: int, greedy: bool, group: dist.ProcessGroup | None,
                 spared: frozenset[int]) -> tuple[float, float]:
     """Continuous episodes: the engine is stepped by hand, an episode's environment step starts as soon as its turn
-    is sampled, and its next turn joins the engine at the next step after the observation is back. Each request
-    draws from a generator of its own (seeded by the episode and turn), so what an episode samples does not depend on
-    which others share its engine steps. Under tensor parallelism the first rank runs the environments and sends,
+    is sampled, and its next turn joins the engine at the next step after the observation is back, in the episode's
+    session (its KV cache kept; a new one after a stop string). Each session draws from a generator of its own
+    (seeded by the episode and the turn that opened it), so what an episode samples does not depend on which others
+    share its engine steps. Under tensor parallelism the first rank runs the environments and sends,
     before every engine step, the answers that came back: every rank adds the same requests in the same order. The
     seconds the engine stood idle waiting for environment calls, and the seconds any ran (on the first rank)."""
-    from vllm.sampling_params import RequestOutputKind
-    llm = engine.llm_engine
     limit, end = max_model_len(engine), turn_end(tokenizer)
     calls = CallPool(cfg.workers, cfg.timeout_s) if group is None or dist.get_rank(group) == 0 else None
+    sessions = Sessions(engine.llm_engine)
     endings: dict[int, str] = {}
     joining = [i for i, e in enumerate(episodes) if e.end_reason is None]
     waited = 0.0
-    with seeded_draws(seed):
-        while any(e.end_reason is None for e in episodes):
-            idle = not joining and not llm.has_unfinished_requests()
-            t0 = time.perf_counter()
-            answers = on_first(group, lambda: _answers(calls, idle, spared))
-            waited += (time.perf_counter() - t0) if idle else 0.0
-            for i, result in answers:
-                _answer(episodes[i], result, endings[i], episodes[i].turns - 1, tokenizer, end.text, cfg)
-                joining += [i] if episodes[i].end_reason is None else []
-            for i in joining:
-                e = episodes[i]
-                params = _turn_params(e, sampling, cfg, greedy, stops, end.ids, limit,
-                                      seed=None if greedy else hash((seed, i, e.turns)) % 2**31)
-                if params is not None:
-                    params.output_kind = RequestOutputKind.FINAL_ONLY
-                    llm.add_request(f"{i}.{e.turns}", {"prompt_token_ids": e.context()}, params)
-            joining = []
-            if not llm.has_unfinished_requests():
-                continue
-            for out in llm.step():
-                if out.finished:
-                    i = int(out.request_id.split(".")[0])
-                    action, endings[i] = take_turn(episodes[i], out.outputs[0], stops)
+    try:
+        with seeded_draws(seed):
+            while any(e.end_reason is None for e in episodes):
+                idle = not joining and not sessions.running
+                t0 = time.perf_counter()
+                answers = on_first(group, lambda: _answers(calls, idle, spared))
+                waited += (time.perf_counter() - t0) if idle else 0.0
+                for i, result in answers:
+                    _answer(episodes[i], result, endings[i], episodes[i].turns - 1, tokenizer, end.text, cfg)
+                    if episodes[i].end_reason is None:
+                        joining.append(i)
+                    else:
+                        sessions.end(i)
+                for i in joining:
+                    e = episodes[i]
+                    params = _turn_params(e, sampling, cfg, greedy, stops, end.ids, limit,
+                                          seed=None if greedy else hash((seed, i, e.turns)) % 2**31)
+                    if params is not None:
+                        sessions.send(i, e.context(), params)
+                    else:
+                        sessions.end(i)
+                joining = []
+                if not sessions.running:
+                    continue
+                for i, turn in sessions.step():
+                    action, endings[i] = take_turn(episodes[i], turn, stops)
                     if calls is not None:
                         calls.ask(i, _step, episodes[i], action)
+    finally:
+        sessions.close()
     if calls is None:
         return waited, 0.0
     calls.close()
@@ -390,17 +398,23 @@ def observation_ids(tokenizer, text: str, ending: str, role: str, max_tokens: in
     """After a tool call (`ending` "tool"), inline: a tool result inside the model's message. Else a chat message
     and the assistant header: the template's text after a finished assistant message's `end_text`
     (`model.turn_end`), so the header tokens are the template's own; a message cut by max_tokens ("cut") is
-    closed by `end_text` first."""
+    closed by `end_text` first. Cached: episodes see the same observations again and again ("higher", a board),
+    and rendering the chat template twice took a quarter of a millisecond."""
+    return list(_observation_ids(tokenizer, text, ending, role, max_tokens, end_text))
+
+
+@functools.lru_cache(maxsize=4096)
+def _observation_ids(tokenizer, text: str, ending: str, role: str, max_tokens: int, end_text: str) -> tuple[int, ...]:
     ids = tokenizer(text, add_special_tokens=False).input_ids[:max_tokens]
     if ending == "tool":
-        return ids
+        return tuple(ids)
     cut = tokenizer.decode(ids)
     before = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
     base = tokenizer.apply_chat_template(before, tokenize=False)
     full = tokenizer.apply_chat_template(before + [{"role": role, "content": cut}], tokenize=False,
                                          add_generation_prompt=True)
     start = base.rindex(end_text) + (0 if ending == "cut" else len(end_text))
-    return tokenizer(full[start:], add_special_tokens=False).input_ids
+    return tuple(tokenizer(full[start:], add_special_tokens=False).input_ids)
 
 
 def to_rollout(episodes: list[Episode], row_ids: list[int], pad_id: int, tool_seconds: float,

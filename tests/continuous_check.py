@@ -1,8 +1,9 @@
 """A torchrun program (1 rank) for tests/test_agentic.py: the same episodes played in lock-step turns and as
 continuous episodes (`env.schedule`) on the tiny model's real engine, 16 prompts; prints one JSON line: whether the
 greedy episodes of each schedule are the same (token ids, masks, end reasons, returns, engine logprobs within 1e-5),
-for Chatter and for Tortoise (whose answers come back out of order), and whether sampled continuous episodes are
-the same again with the same seed and differ with another.
+for Chatter and for Tortoise (whose answers come back out of order), how many turns of its four continuous rollouts went to the engine as
+the next chunk of their episode's session (its KV cache kept) and how many opened one (first turns, and turns after
+a stop string), and whether sampled continuous episodes are the same again with the same seed and differ with another.
 
     torchrun --standalone --nproc_per_node 1 tests/continuous_check.py MODEL_DIR
 """
@@ -17,6 +18,7 @@ from forge_core.dist import Layout, init_roles, run_main
 from forge_core.engine import EngineConfig, SamplingConfig, build_engine
 from forge_core.env import EnvConfig, engine_args, load_env, run_episodes
 from forge_core.model import ModelConfig, load_tokenizer
+from forge_core.sessions import Sessions
 from train_grpo import ENVIRONMENTS_PY
 
 
@@ -26,7 +28,19 @@ def same(a, b) -> bool:
         and torch.allclose(a.sampler_logprobs, b.sampler_logprobs, atol=1e-5, rtol=0)
 
 
+def counted_sends() -> dict[str, int]:
+    """Counts `Sessions.send` calls that continue a session and that open one."""
+    counts, send = {"resumed": 0, "opened": 0}, Sessions.send
+
+    def counting(self, key, context, params):
+        counts["resumed" if key in self.open else "opened"] += 1
+        return send(self, key, context, params)
+    Sessions.send = counting
+    return counts
+
+
 def main(model_dir: str) -> None:
+    sends = counted_sends()
     init_roles(Layout(policy=1, reference=0, reward=0))
     tokenizer = load_tokenizer(ModelConfig(path=model_dir))
     engine = build_engine(model_dir, EngineConfig(), seed=0, vllm_args=engine_args(EnvConfig(schedule="continuous")))
@@ -40,12 +54,15 @@ def main(model_dir: str) -> None:
 
         def play(cfg: EnvConfig, seed: int, greedy: bool):
             return run_episodes(engine, tokenizer, env_class, rows, list(range(16)), sampling, cfg, seed, greedy)
-        lockstep, free = play(turns, 0, True), play(continuous, 0, True)
+        lockstep = play(turns, 0, True)
+        sends.update(resumed=0, opened=0)
+        free = play(continuous, 0, True)
         sampled, again, other = (play(continuous, seed, False) for seed in (1, 1, 2))
         result[name] = {"greedy_same": same(lockstep, free), "turns": lockstep.episode["turns"].mean().item(),
                         "env_tokens": lockstep.episode["env_tokens"].sum().item(),
                         "sampled_again_same": same(sampled, again), "other_seed_same": same(sampled, other),
-                        "sampled_turns": sampled.episode["turns"].mean().item()}
+                        "sampled_turns": sampled.episode["turns"].mean().item(), "tool_calls":
+                        sum(r.episode["tool_calls"].sum().item() for r in (free, sampled, again, other)), **sends}
     print(json.dumps(result), flush=True)
 
 
