@@ -23,7 +23,7 @@ $(BIN)/torchrun --standalone --nproc_per_node $(or $(3),3) train_grpo.py --confi
 echo "make $@: SFT + GRPO took $$(( $$(date +%s) - start )) s"
 endef
 
-.PHONY: setup run run-lora run-agent run-guess run-selfplay run-kuhn run-qwen3 run-smol run-smol-lora run-smol-tool run-smol-selfplay test bench
+.PHONY: setup run run-lora run-agent run-guess run-selfplay run-kuhn run-qwen3 run-moe run-smol run-smol-lora run-smol-tool run-smol-selfplay test bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -84,6 +84,13 @@ artifacts/tiny_qwen3/init/config.json: tools/build_tiny.py forge_core/tasks.py |
 # The default pipeline on a tiny Qwen3 (the architecture of the Qwen3 GPU configs) instead of the tiny Llama
 run-qwen3: setup artifacts/tiny_qwen3/init/config.json
 	$(call sft_then_grpo,configs/sft/tiny_qwen3.yaml,configs/grpo/tiny_qwen3.yaml)
+
+artifacts/tiny_moe/init/config.json: tools/build_tiny.py forge_core/tasks.py | setup
+	$(BIN)/python tools/build_tiny.py --arch qwen3_moe --out artifacts/tiny_moe
+
+# The default pipeline on a tiny Qwen3-MoE (8 experts a layer, 2 per token: Qwen3-30B-A3B's layers)
+run-moe: setup artifacts/tiny_moe/init/config.json
+	$(call sft_then_grpo,configs/sft/tiny_moe.yaml,configs/grpo/tiny_moe.yaml)
 
 artifacts/smollm2-135m/converted.json: | setup
 	$(BIN)/python tools/convert_smollm2.py --out artifacts/smollm2-135m

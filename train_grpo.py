@@ -40,6 +40,7 @@ from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics, rol
 from forge_core.lora import base_model, has_adapter
 from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, linear_kernel, load_tokenizer, set_gradient_sync,
                               turn_end)
+from forge_core.moe import Routers
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
 from forge_core.rollout import Rollout, balanced_share, engine_share, shared_prompt_rows
 from forge_core.scoring import (RewardModel, accuracy_scorer, function_names, load_reward_functions, reward_pool,
@@ -291,7 +292,7 @@ def micro_batched_logprobs(model, part: Rollout, micro: int, temperature: float)
 # ---- the policy ranks: sample, learn, sync ----
 
 def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, roles: Roles,
-                     collect_scores: Callable[[Rollout], None]) -> dict[str, float]:
+                     collect_scores: Callable[[Rollout], None], routers: Routers) -> dict[str, float]:
     """`num_iterations` epochs of `mini_batches` optimizer steps over this generation batch. The reward and
     reference ranks may still be scoring it: the first forward pass needs no scores, so it runs before
     `collect_scores` waits for them (rewards, reference logprobs, advantages)."""
@@ -322,7 +323,7 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
                 logp, entropy = first or token_logprobs(policy, part, cfg.sampling.temperature, with_entropy=True)
                 first = None
                 loss, stats = grpo_loss(logp, part, cfg.loss, scale)
-                loss.backward()
+                (loss + routers.loss() / len(parts)).backward()      # an MoE's load-balancing loss (or 0)
                 mask = part.loss_mask().float()
                 old = part.old_logprobs if part.old_logprobs is not None else logp.detach()
                 sums["gap"] += ((old - part.sampler_logprobs).abs() * mask).sum().item()
@@ -336,7 +337,8 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
     updates = cfg.loss.num_iterations * cfg.train.mini_batches
     return {"loss/clip_fraction": totals["clipped"] / tokens, "loss/kl": totals["kl"] / tokens,
             "loss/entropy": totals["entropy"] / tokens, "loss/logprob_gap": totals["gap"] / tokens,
-            "train/grad_norm": totals["grad_norm"] / updates, "train/tokens": totals["tokens"] / updates}
+            "train/grad_norm": totals["grad_norm"] / updates, "train/tokens": totals["tokens"] / updates,
+            **routers.metrics(group)}
 
 
 def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles, tp: int,
@@ -465,6 +467,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, 
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=steps.start)
     bad_steps = BadSteps(cfg.train.max_bad_steps, log.print)
     weight_sync = WeightSync(policy, engines["policy"], cfg.engine.tensor_parallel_size)  # engine = trainer's weights
+    routers = Routers(policy, cfg.model.router_aux_loss)       # an MoE's: none for a dense model
     rae = RAE(cfg.game.rae_decay, resumed.get("rae")) if game and cfg.game.advantage == "rae" else None
     on_gpu = roles.dist.device.type == "cuda"
     kernels = "" if on_gpu else f", CPU GEMMs {linear_kernel(cfg.fsdp)}"
@@ -506,7 +509,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, 
     for step, (rollout, in_flight) in zip(steps, rollouts):
         t_start, sent = time.perf_counter(), rollout.seconds["score"]
         set_phase("train")
-        stats = train_on_rollout(policy, optim, sched, rollout, cfg, roles, collect_scores)
+        stats = train_on_rollout(policy, optim, sched, rollout, cfg, roles, collect_scores, routers)
         t_train = time.perf_counter()
         done = step + 1
         bad_steps.count(done, stats["train/grad_norm"])     # NaN when an update was skipped

@@ -27,6 +27,7 @@ from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, linear_kernel, load_tokenizer, set_gradient_sync,
                               turn_end)
+from forge_core.moe import Routers
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
 from forge_core.weights import build_model, export_hf
 
@@ -147,10 +148,11 @@ def count_targets(examples: list[Example]) -> int:
     return sum(sum(label != IGNORE for label in labels[1:]) for _, labels in examples)
 
 
-def train_step(model, mine: list[list[Example]], global_targets: int, cfg: SFTConfig, d: Dist, pad_id: int
-               ) -> float:
+def train_step(model, mine: list[list[Example]], global_targets: int, cfg: SFTConfig, d: Dist, pad_id: int,
+               routers: Routers) -> float:
     """Forward/backward over this rank's micro-batches (`mine`); the loss is normalised by the *global* number of
-    response tokens so that N ranks compute exactly what one process would (FSDP averages over ranks).
+    response tokens so that N ranks compute exactly what one process would (FSDP averages over ranks); an MoE's
+    load-balancing loss, each micro-batch's, by their number.
     Returns this rank's summed NLL. Every rank counts the global batch's targets itself, so the gradient
     all-reduce is the step's only point where the ranks wait for each other."""
     loss_sum = 0.0
@@ -158,7 +160,7 @@ def train_step(model, mine: list[list[Example]], global_targets: int, cfg: SFTCo
         set_gradient_sync(model, i == len(mine) - 1)
         mb = collate_sft(examples, pad_id, cfg.data.pack, cfg.data.max_length)
         nll = token_nll(model, {k: v.to(d.device) for k, v in mb.items()})
-        (nll * d.world_size / global_targets).backward()
+        (nll * d.world_size / global_targets + routers.loss() / len(mine)).backward()
         loss_sum += nll.item()
     return loss_sum
 
@@ -215,6 +217,7 @@ def main() -> None:
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, d.mesh, cfg.fsdp, cfg.train.seed)
     optim, sched = build_optimizer(model, cfg.optim, cfg.train.steps)
+    routers = Routers(model, cfg.model.router_aux_loss)
     start_step = 0
     if path is not None:
         meta = ckpt.load(path, model, optim, cfg.train.steps)
@@ -240,7 +243,8 @@ def main() -> None:
         batch = [examples[i] for i in sample_indices(step, cfg.train.batch_size, len(examples), cfg.train.seed)]
         targets = count_targets(batch)
         mine = micro_batches([len(ids) for ids, _ in batch], d.world_size, accum, cfg.data.pack)[d.rank]
-        loss_sum = train_step(model, [[batch[i] for i in mb] for mb in mine], targets, cfg, d, tokenizer.pad_token_id)
+        loss_sum = train_step(model, [[batch[i] for i in mb] for mb in mine], targets, cfg, d, tokenizer.pad_token_id,
+                              routers)
         lr = sched.get_last_lr()[0]
         grad_norm = optimizer_step(model, optim, sched, cfg.optim.max_grad_norm)   # skips a non-finite update
         window_tokens += sum(len(ids) for ids, _ in batch)
@@ -251,7 +255,8 @@ def main() -> None:
             metrics = {"train/loss": reduce_metrics({"loss": loss_sum})["loss"] / targets,
                        "train/lr": lr, "train/grad_norm": grad_norm,
                        "train/tokens_per_s": window_tokens / (time.perf_counter() - window_start),
-                       "train/skipped_steps": bad_steps.total, "mem/peak_gb_rank0": peak_memory_gb(d.device)}
+                       "train/skipped_steps": bad_steps.total, "mem/peak_gb_rank0": peak_memory_gb(d.device),
+                       **routers.metrics()}
             if evaluating:
                 set_phase("eval")
                 metrics |= evaluate(model, tokenizer, eval_rows, cfg, d)

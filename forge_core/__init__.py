@@ -8,6 +8,7 @@ down into these modules, one concern each:
     model     HF tokenizers and model directories, the template's end of turn, FSDP2 sharding (and offload)
     weights   a model built on the meta device and filled by each rank's own slices; streaming HF export
     lora      LoRA adapters (peft): added before sharding, trained alone, merged on the way out
+    moe       Mixture-of-Experts: experts fused (trainer), per expert (files), packed (vLLM); routers' balance
     optim     AdamW and its schedule; a step that skips non-finite gradients
     logprobs  chosen-token logprobs (and entropy) from logits, a few rows at a time
     rollout   the Rollout batch and its layouts: padding, the deal of groups over ranks, shared prompts

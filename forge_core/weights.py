@@ -6,7 +6,8 @@ each rank reads just its own slices (torchtitan's way). A full load made every r
 first (bench/bench_load.py measures both).
 
 `export_hf` gathers one tensor at a time (merging an adapter into its weight) and the group's first rank writes
-them into safetensors files of at most `shard_bytes` each, freed as each is written.
+them into safetensors files of at most `shard_bytes` each, freed as each is written. A Mixture-of-Experts model's
+fused experts are read and written one tensor per expert, as checkpoints hold them (forge_core/moe.py).
 """
 
 import json
@@ -24,6 +25,7 @@ from .ckpt import first_on_any_rank, publish_dir
 from .config import ForgeError
 from .lora import add_adapter, adapted_weights, has_adapter, hf_name, init_adapter, merge, save_adapter
 from .model import FSDPConfig, ModelConfig, hf_model, local_dir, shard
+from .moe import checkpoint_tensors, is_fused_experts, local_experts
 
 __all__ = ["build_model", "hf_tensors", "export_hf", "full_tensor"]
 
@@ -70,7 +72,9 @@ def _fill_buffers(model: nn.Module) -> None:
 def _read_weights(model: nn.Module, path: str, mesh: DeviceMesh) -> None:
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.api import CheckpointException
-    state = _hf_state(model, with_tied_head=False)      # a tied head is the embedding's tensor; files omit it
+    state = {}      # a tied head is the embedding's tensor, files omit it; experts are read as the files hold them
+    for name, tensor in _hf_state(model, with_tied_head=False).items():
+        state.update(checkpoint_tensors(name, *local_experts(tensor)) if is_fused_experts(name) else {name: tensor})
     group = mesh.get_group() if dist.is_initialized() else None
     try:
         dcp.load(state, storage_reader=HuggingFaceStorageReader(local_dir(path)), process_group=group,
@@ -106,7 +110,7 @@ def hf_tensors(model: nn.Module, with_tied_head: bool = True):
             a = adapted[name]
             yield name, merge(full_tensor(a.weight), full_tensor(a.a), full_tensor(a.b), a.scale)
         else:
-            yield name, full_tensor(t)
+            yield from checkpoint_tensors(name, full_tensor(t))
 
 
 def _adapter_tensors(model: nn.Module):
@@ -157,7 +161,9 @@ def _finish(model: nn.Module, tokenizer, writer: "_ShardedWriter", adapter: dict
 def _file_sizes(model: nn.Module, shard_bytes: int) -> list[int]:
     """How many tensors go into each file, known before any is gathered (so that files can be named n-of-N)."""
     counts, size = [0], 0
-    for t in _hf_state(model, with_tied_head=False).values():
+    shapes = [checkpoint_tensors(name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+              for name, t in _hf_state(model, with_tied_head=False).items()]
+    for _, t in (entry for entries in shapes for entry in entries):
         nbytes = t.numel() * t.element_size()
         if counts[-1] and size + nbytes > shard_bytes:
             counts.append(0)

