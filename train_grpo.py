@@ -40,7 +40,7 @@ from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics, rol
 from forge_core.lora import base_model, has_adapter
 from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, linear_kernel, load_tokenizer, set_gradient_sync,
                               turn_end)
-from forge_core.moe import Routers
+from forge_core.moe import Routers, real_tokens
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
 from forge_core.rollout import Rollout, balanced_share, engine_share, shared_prompt_rows
 from forge_core.scoring import (RewardModel, accuracy_scorer, function_names, load_reward_functions, reward_pool,
@@ -238,9 +238,10 @@ def token_logprobs(model, part: Rollout, temperature: float, with_entropy: bool 
     part = part.to(model.device)       # a no-op on CPU and for a rollout the trainer already moved
     rows = shared_prompt_rows(part)
     block_sparse = model.config._attn_implementation == "flex_attention"
-    logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask(block_sparse),
-                   position_ids=rows.position_ids, logits_to_keep=rows.logits_to_keep, use_cache=False).logits
-                                                                                      # [u, L - P, V]
+    with real_tokens(rows.owner != -2):                 # what an MoE's routers count (forge_core/moe.py)
+        logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask(block_sparse),
+                       position_ids=rows.position_ids, logits_to_keep=rows.logits_to_keep, use_cache=False).logits
+                                                                                          # [u, L - P, V]
     chosen, entropy = chosen_logprobs(logits.flatten(0, 1), rows.logits_index, part.completion_ids, temperature,
                                       with_entropy)                                   # [n, C], [u * (L - P)]
     return chosen, entropy[rows.logits_index] if with_entropy else None

@@ -41,6 +41,8 @@ class EngineConfig:
     block_size: PositiveInt | None = None   # KV-cache block in tokens, what prefix caching shares; None = vLLM's
                                         # default (16 on GPU, 128 on CPU, where it must be a multiple of 32)
     max_num_seqs: PositiveInt | None = None  # sequences an engine step runs at once; None = vLLM's default (CPU: 256)
+    expert_parallel: bool = False       # MoE: an engine's ranks hold whole experts (all-to-all) instead of a
+                                        # tensor-parallel slice of each (vLLM's enable_expert_parallel)
 
 
 @dataclass
@@ -235,7 +237,7 @@ def _engine_kwargs(model_path: str, cfg: EngineConfig, seed: int) -> dict:
                 kv_cache_memory_bytes=None if on_gpu else int(cfg.kv_cache_gb * 2**30),
                 logprobs_mode="processed_logprobs",   # tempered logprobs: what the trainer computes
                 enable_prefix_caching=cfg.prefix_caching,    # WeightSync resets the cache
-                block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs)
+                block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs, enable_expert_parallel=cfg.expert_parallel)
 
 
 @functools.cache

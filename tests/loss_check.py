@@ -15,6 +15,7 @@ import torch
 
 from forge_core.dist import Layout, init_roles, run_main
 from forge_core.model import FSDPConfig, shard
+from forge_core.moe import Routers
 from forge_core.rollout import Rollout, cat_rollouts
 from test_grpo_math import random_share, tiny_llama
 from train_grpo import GRPOConfig, attach_advantages, group_advantages, token_logprobs, train_on_rollout, \
@@ -77,7 +78,7 @@ def main() -> None:
         sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda _: 1.0)
         mine = copy.deepcopy(parts[roles.rank])
         train_on_rollout(policy, optim, sched, mine, cfg, roles,
-                         lambda r: attach_advantages(r, cfg.loss, G, roles.groups["policy"]))
+                         lambda r: attach_advantages(r, cfg.loss, G, roles.groups["policy"]), Routers(policy))
         update = [(after - b) / LR for after, b in zip(full_parameters(policy), before)]
         documented_loss(reference, copy.deepcopy(parts), loss_type, scale_rewards,
                         cfg.loss.importance_sampling_cap).backward()
