@@ -570,6 +570,9 @@ def check_config(cfg: GRPOConfig, world_size: int, ranks_per_node: int) -> None:
     """Everything about the config that can fail before any work: also run by tests on the GPU configs."""
     policy, reference, _ = role_ranks(cfg.layout, world_size)
     P, tp = len(policy), cfg.engine.tensor_parallel_size
+    if cfg.fsdp.tensor_parallel_size > 1:
+        raise ForgeError("config error: fsdp.tensor_parallel_size: GRPO's policy trains with FSDP only (tensor "
+                         "parallelism in training is train_sft.py's); engine.tensor_parallel_size splits the engines")
     if cfg.train.prompts_per_step % P:
         raise ForgeError(f"config error: train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple "
                          f"of layout.policy={P}")

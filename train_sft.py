@@ -160,7 +160,7 @@ def train_step(model, mine: list[list[Example]], global_targets: int, cfg: SFTCo
         set_gradient_sync(model, i == len(mine) - 1)
         mb = collate_sft(examples, pad_id, cfg.data.pack, cfg.data.max_length)
         nll = token_nll(model, {k: v.to(d.device) for k, v in mb.items()})
-        (nll * d.world_size / global_targets + routers.loss() / len(mine)).backward()
+        (nll * d.data_ranks / global_targets + routers.loss() / len(mine)).backward()
         loss_sum += nll.item()
     return loss_sum
 
@@ -171,7 +171,7 @@ def train_step(model, mine: list[list[Example]], global_targets: int, cfg: SFTCo
 def evaluate(model, tokenizer, rows: list[dict], cfg: SFTConfig, d: Dist) -> dict[str, float]:
     """Held-out loss and greedy exact match; every rank takes its share of rows."""
     model.eval()
-    mine = rows[d.rank::d.world_size]
+    mine = rows[d.data_rank::d.data_ranks]
     prompts, responses = [r[cfg.data.prompt_field] for r in mine], [r[cfg.data.response_field] for r in mine]
     nll, targets = 0.0, 0
     size, end_id = cfg.train.micro_batch_size, turn_end(tokenizer).ids[0]
@@ -182,7 +182,7 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: SFTConfig, d: Dist) -> dic
         nll += token_nll(model, {k: v.to(d.device) for k, v in batch.items()}).item()
     answers = greedy_generate(model, tokenizer, prompts, cfg.train.eval_max_new_tokens, d)
     correct = sum(a.strip() == r.strip() for a, r in zip(answers, responses))
-    sums = reduce_metrics({"nll": nll, "targets": targets, "correct": correct, "rows": len(mine)})
+    sums = reduce_metrics({"nll": nll, "targets": targets, "correct": correct, "rows": len(mine)}, d.data_group)
     model.train()
     return {"eval/loss": sums["nll"] / sums["targets"], "eval/exact_match": sums["correct"] / sums["rows"]}
 
@@ -203,8 +203,8 @@ def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int, d
 
 def main() -> None:
     cfg = load_config(SFTConfig)
-    d = init_dist(cfg.dist)
-    accum = accumulation_steps(cfg.train, d.world_size)
+    d = init_dist(cfg.dist, cfg.fsdp.tensor_parallel_size)
+    accum = accumulation_steps(cfg.train, d.data_ranks)
     ckpt = Checkpointer(cfg.out_dir, cfg.ckpt)
     path, export_dir = ckpt.resume_path(cfg.model.path), export_path(cfg.out_dir, cfg.export_dir)
     if finished_run(path, cfg.train.steps, export_dir):
@@ -227,9 +227,11 @@ def main() -> None:
     bad_steps = BadSteps(cfg.train.max_bad_steps, log.print)
     for warning in cuts.warnings:
         log.print(warning)
+    tp = cfg.fsdp.tensor_parallel_size
+    tp_note = f" (of {tp} tensor-parallel ranks each)" if tp > 1 else ""
     log.print(f"sft: {len(examples)} examples ({cuts.truncated} truncated, {cuts.skipped} skipped), "
               f"{len(eval_rows)} held out; "
-              f"{d.world_size} ranks x {cfg.train.micro_batch_size} x {accum} accumulation = "
+              f"{d.data_ranks} ranks{tp_note} x {cfg.train.micro_batch_size} x {accum} accumulation = "
               f"{cfg.train.batch_size} sequences/step; "
               + (f"CPU GEMMs: {linear_kernel(cfg.fsdp)}; " if d.mesh.device_type == "cpu" else "")
               + ("bf16; " if bf16_chosen(cfg.fsdp.mixed_precision, d.mesh.device_type == "cuda") else "fp32; ")
@@ -242,7 +244,7 @@ def main() -> None:
         set_phase("train")
         batch = [examples[i] for i in sample_indices(step, cfg.train.batch_size, len(examples), cfg.train.seed)]
         targets = count_targets(batch)
-        mine = micro_batches([len(ids) for ids, _ in batch], d.world_size, accum, cfg.data.pack)[d.rank]
+        mine = micro_batches([len(ids) for ids, _ in batch], d.data_ranks, accum, cfg.data.pack)[d.data_rank]
         loss_sum = train_step(model, [[batch[i] for i in mb] for mb in mine], targets, cfg, d, tokenizer.pad_token_id,
                               routers)
         lr = sched.get_last_lr()[0]
@@ -252,7 +254,7 @@ def main() -> None:
         bad_steps.count(done, grad_norm)
         evaluating = done == end_step or (cfg.train.eval_every and done % cfg.train.eval_every == 0)
         if done % cfg.train.log_every == 0 or done == end_step or evaluating:
-            metrics = {"train/loss": reduce_metrics({"loss": loss_sum})["loss"] / targets,
+            metrics = {"train/loss": reduce_metrics({"loss": loss_sum}, d.data_group)["loss"] / targets,
                        "train/lr": lr, "train/grad_norm": grad_norm,
                        "train/tokens_per_s": window_tokens / (time.perf_counter() - window_start),
                        "train/skipped_steps": bad_steps.total, "mem/peak_gb_rank0": peak_memory_gb(d.device),

@@ -7,6 +7,7 @@ down into these modules, one concern each:
     tasks     the synthetic tasks the tiny jobs learn (addition, multiplication, a guessing game)
     model     HF tokenizers and model directories, the template's end of turn, FSDP2 sharding (and offload)
     weights   a model built on the meta device and filled by each rank's own slices; streaming HF export
+    tensor_parallel  each layer split over a node's ranks in training: the plan, the 2-D mesh, its checks
     lora      LoRA adapters (peft): added before sharding, trained alone, merged on the way out
     moe       Mixture-of-Experts: experts fused (trainer), per expert (files), packed (vLLM); routers' balance
     optim     AdamW and its schedule; a step that skips non-finite gradients

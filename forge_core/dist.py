@@ -30,6 +30,7 @@ from pydantic import PositiveFloat
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ForgeError
+from .tensor_parallel import training_mesh
 
 __all__ = ["Dist", "DistConfig", "Layout", "Roles", "init_dist", "init_roles", "role_ranks", "close_dist", "exchange",
            "wait_idle", "release", "set_phase", "run_main", "published_world_calls", "mirror_world_calls"]
@@ -50,9 +51,17 @@ class Dist:
     world_size: int
     ranks_per_node: int                 # torchrun's --nproc_per_node
     device: torch.device
-    mesh: DeviceMesh                    # 1-D mesh over the whole world (SFT data parallel + FSDP)
+    mesh: DeviceMesh                    # the world: 1-D (SFT data parallel + FSDP), or ("dp", "tp") with
+                                        # tensor parallelism (forge_core/tensor_parallel.py)
     timeout: timedelta                  # of every process group we create
     store: dist.Store                   # the rendezvous store, where idle ranks wait (`wait_idle`)
+    data_rank: int = 0                  # which share of the data this rank trains on (its tensor-parallel
+    data_ranks: int = 1                 # block's: every rank of one trains on the same); how many shares
+
+    @property
+    def data_group(self) -> dist.ProcessGroup | None:
+        """The ranks that together hold one copy of the model (None: the world), over which sums are taken."""
+        return self.mesh["dp"].get_group() if self.mesh.ndim == 2 else None
 
     @property
     def is_rank0(self) -> bool:
@@ -130,8 +139,9 @@ def freeze_startup_objects() -> None:
     gc.enable()
 
 
-def init_dist(cfg: DistConfig = DistConfig()) -> Dist:
-    """Join (or, without torchrun, create) the default process group and a world mesh."""
+def init_dist(cfg: DistConfig = DistConfig(), tensor_parallel: int = 1) -> Dist:
+    """Join (or, without torchrun, create) the default process group and a world mesh (2-D with
+    `tensor_parallel` > 1: blocks of that many consecutive ranks split each layer)."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
@@ -150,9 +160,13 @@ def init_dist(cfg: DistConfig = DistConfig()) -> Dist:
     set_phase(_here.phase)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
-    mesh = DeviceMesh(device.type, list(range(world_size)))
-    return Dist(rank, local_rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), device, mesh,
-                timeout, store)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size % tensor_parallel or per_node % tensor_parallel:
+        raise ForgeError(f"config error: fsdp.tensor_parallel_size={tensor_parallel} does not divide the "
+                         f"{world_size} ranks ({per_node} per node): a tensor-parallel block stays in a node")
+    mesh = training_mesh(list(range(world_size)), device.type, tensor_parallel)
+    return Dist(rank, local_rank, world_size, per_node, device, mesh, timeout, store,
+                rank // tensor_parallel, world_size // tensor_parallel)
 
 
 def role_ranks(layout: Layout, world_size: int) -> tuple[list[int], list[int], list[int]]:

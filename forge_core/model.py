@@ -12,13 +12,14 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import NonNegativeFloat
+from pydantic import NonNegativeFloat, PositiveInt
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from .config import ForgeError
 from .lora import LoRAConfig
+from .tensor_parallel import parallelize
 
 __all__ = ["ModelConfig", "FSDPConfig", "TurnEnd", "turn_end", "local_dir", "load_tokenizer", "shard", "linear_kernel",
            "cpu_has_bf16", "cpu_prefers_bf16", "bf16_chosen", "use_onednn_linears", "onednn_linear",
@@ -55,6 +56,9 @@ class FSDPConfig:
     # CPU, fp32: the GEMMs of every nn.Linear. auto = oneDNN on AMD (2.3x torch's MKL on a Zen 5, equal on Zen 1/3),
     # torch's own on Intel (MKL's fast paths; oneDNN was 0.8-1.05x of it on AVX-512 Xeons): bench/bench_gemm.py
     linear_kernel: Literal["auto", "onednn", "torch"] = "auto"
+    # ranks that split each decoder layer's heads and MLP width (forge_core/tensor_parallel.py), inside a node;
+    # FSDP shards over the data-parallel rest
+    tensor_parallel_size: PositiveInt = 1
     # host memory for what does not fit the GPU (README "Models bigger than one process"): FSDP2's CPUOffloadPolicy keeps parameters,
     # gradients and Adam's state on the host (the optimizer steps there); activation_offload keeps each decoder
     # layer's saved activations there until backward
@@ -141,7 +145,10 @@ def shard(model: nn.Module, mesh: DeviceMesh, cfg: FSDPConfig) -> nn.Module:
         model = shard(model, DeviceMesh.from_group(alone, mesh.device_type), replace(cfg, reshard_after_forward=False))
         model.replica_group = mesh.get_group()
         return model
-    if mesh.device_type == "cpu" and linear_kernel(cfg) == "onednn":
+    if mesh.ndim == 2:      # tensor parallelism inside each block of the mesh's "tp" dimension, then FSDP over "dp"
+        parallelize(model, mesh["tp"])
+        mesh = mesh["dp"]
+    elif mesh.device_type == "cpu" and linear_kernel(cfg) == "onednn":   # its GEMMs take no DTensors
         use_onednn_linears(model)
     bf16 = bf16_chosen(cfg.mixed_precision, mesh.device_type == "cuda")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \

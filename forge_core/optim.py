@@ -37,9 +37,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int):
     """AdamW (no decay on norms and biases) and a linear warm-up + cosine decay schedule."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    optim = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas,
-                              fused=True)    # one kernel for all parameters, CPU and CUDA
+    # a group per mesh too: the fused kernel takes no mix of them (tensor parallelism leaves two)
+    groups = [{"params": same_mesh, "weight_decay": weight_decay}
+              for params, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0))
+              for same_mesh in _by_mesh(params).values()]
+    optim = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=True)   # one kernel a group, CPU and CUDA
 
     def lr_factor(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -61,10 +63,13 @@ def optimizer_step(model: nn.Module, optim, sched, max_grad_norm: float) -> floa
     params = [p for p in model.parameters() if p.grad is not None]
     if (replicas := getattr(model, "replica_group", None)) is not None:
         _average_gradients(params, replicas)
-    norm = _global(torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf")))
+    norm = _total_norm([p.grad for p in params])
+    if max_grad_norm > 0:
+        for same_mesh in _by_mesh(params).values():
+            torch.nn.utils.clip_grads_with_norm_(same_mesh, max_grad_norm, torch.tensor(norm))
     if math.isfinite(norm):
         optim.step()
-        if not math.isfinite(weights := _global(torch.nn.utils.get_total_norm([p.detach() for p in params]))):
+        if not math.isfinite(weights := _total_norm([p.detach() for p in params])):
             raise ForgeError(f"training error: an update at lr {sched.get_last_lr()[0]:.3g} took the weights out of "
                              f"float range (their norm is {weights}); lower optim.lr")
     sched.step()
@@ -109,8 +114,18 @@ def _buckets(tensors: list[torch.Tensor], max_bytes: int) -> list[list[torch.Ten
     return buckets
 
 
-def _global(norm: torch.Tensor) -> float:
-    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+def _total_norm(tensors: list[torch.Tensor]) -> float:
+    """The 2-norm of all `tensors` together, each whole (a DTensor's over its mesh). A tensor-parallel model holds
+    DTensors on two meshes (its layers' on dp x tp, the rest on dp, or plain tensors): a norm per mesh, then theirs."""
+    norms = [torch.nn.utils.get_total_norm(group) for group in _by_mesh(tensors).values()]
+    return math.sqrt(sum((n.full_tensor() if isinstance(n, DTensor) else n).item() ** 2 for n in norms))
+
+
+def _by_mesh(tensors: list[torch.Tensor]) -> dict:
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return groups
 
 
 @dataclass

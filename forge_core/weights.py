@@ -26,6 +26,7 @@ from .config import ForgeError
 from .lora import add_adapter, adapted_weights, has_adapter, hf_name, init_adapter, merge, save_adapter
 from .model import FSDPConfig, ModelConfig, hf_model, local_dir, shard
 from .moe import checkpoint_tensors, is_fused_experts, local_experts
+from .tensor_parallel import check_tensor_parallel, flat_group
 
 __all__ = ["build_model", "hf_tensors", "export_hf", "full_tensor"]
 
@@ -34,6 +35,7 @@ def build_model(cfg: ModelConfig, mesh: DeviceMesh, fsdp: FSDPConfig, seed: int 
     """Collective over `mesh`: the model sharded over it with the weights of `cfg.path` (and, `cfg.lora.rank` > 0,
     a fresh adapter drawn from `seed`)."""
     model = _empty_model(cfg)
+    check_tensor_parallel(fsdp.tensor_parallel_size, fsdp.shard, model.config)
     if cfg.lora.rank:
         model = add_adapter(model, cfg.lora)
     model = shard(model, mesh, fsdp)
@@ -75,7 +77,7 @@ def _read_weights(model: nn.Module, path: str, mesh: DeviceMesh) -> None:
     state = {}      # a tied head is the embedding's tensor, files omit it; experts are read as the files hold them
     for name, tensor in _hf_state(model, with_tied_head=False).items():
         state.update(checkpoint_tensors(name, *local_experts(tensor)) if is_fused_experts(name) else {name: tensor})
-    group = mesh.get_group() if dist.is_initialized() else None
+    group = flat_group(mesh) if dist.is_initialized() else None
     try:
         dcp.load(state, storage_reader=HuggingFaceStorageReader(local_dir(path)), process_group=group,
                  no_dist=group is None)

@@ -1,0 +1,73 @@
+"""Tensor parallelism in training: `fsdp.tensor_parallel_size` ranks split each decoder layer's attention heads and
+MLP width (Megatron's layout), FSDP2 shards over the data-parallel ranks, the 2-D mesh ("dp", "tp") with each
+tensor-parallel block of consecutive ranks, inside a node, where the per-layer all-reduces are cheap.
+
+The plan is torchtitan's, by the HF module names: q/k/v and gate/up `ColwiseParallel`, o/down `RowwiseParallel` (an
+all-reduce after each), the embedding `RowwiseParallel` over the vocabulary, the head `ColwiseParallel` gathered back
+to whole logits (the loss code reads them whole), Qwen3's per-head q/k norms as replicated parameters over the local
+heads (their gradients then sum over the ranks: left as plain tensors each rank's held only its heads'). TP is
+applied before FSDP (torchtitan's order). A Mixture-of-Experts model's experts and routers stay whole on each
+tensor-parallel rank and are FSDP-sharded over dp only.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from .config import ForgeError
+
+__all__ = ["training_mesh", "check_tensor_parallel", "parallelize", "flat_group"]
+
+
+def training_mesh(ranks: list[int], device_type: str, tp: int) -> DeviceMesh:
+    """The mesh a model trains on: 1-D over `ranks` (FSDP), or 2-D ("dp", "tp") with blocks of `tp` consecutive
+    ranks."""
+    if tp == 1:
+        return DeviceMesh(device_type, ranks)
+    return DeviceMesh(device_type, torch.tensor(ranks).view(-1, tp), mesh_dim_names=("dp", "tp"))
+
+
+def check_tensor_parallel(tp: int, shard: bool, model_config) -> None:
+    """A tensor-parallel size that does not split the model's heads or MLP is a config error (one that does not
+    divide the ranks or a node is `init_dist`'s)."""
+    if tp == 1:
+        return
+    name = "fsdp.tensor_parallel_size"
+    if not shard:
+        raise ForgeError(f"config error: {name}={tp} needs fsdp.shard true (tensor parallelism shards each layer)")
+    config = model_config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    widths = {"attention heads": heads, "key/value heads": kv_heads, "MLP width (intermediate_size)":
+              config.intermediate_size}
+    for what, n in widths.items():
+        if n % tp:
+            raise ForgeError(f"config error: {name}={tp} does not split the model's {n} {what} evenly")
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Apply the plan to the HF model (a causal LM with `model.layers`) over the tensor-parallel `mesh`."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    parallelize_module(hf.model, mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate())})
+    for layer in hf.model.layers:
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()}
+        if hasattr(layer.self_attn, "q_norm"):      # Qwen3: normalizes each head, over this rank's heads
+            norm = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan |= {"self_attn.q_norm": norm, "self_attn.k_norm": norm}
+        if not hasattr(layer.mlp, "experts"):
+            plan |= {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                     "mlp.down_proj": RowwiseParallel()}
+        parallelize_module(layer, mesh, plan)
+    parallelize_module(hf, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    if hf.config.get_text_config().tie_word_embeddings:     # both split the vocabulary: one tensor again
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+
+
+def flat_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group of all of a (1-D or 2-D) mesh's ranks."""
+    return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()

@@ -1,0 +1,70 @@
+"""Tensor parallelism in training (forge_core/tensor_parallel.py, `fsdp.tensor_parallel_size`): train_sft.py on a
+tiny Qwen3 (grouped-query attention, per-head q/k norms, a tied head) on 2 ranks of tensor parallelism and on 2 x 2
+(FSDP over 2 data-parallel blocks of 2 tensor-parallel ranks) against one process, resumed, and its config errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, assert_clean_error, read_metrics, run_script
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny_qwen3_tp")
+    subprocess.run([sys.executable, str(REPO / "tools" / "build_tiny.py"), "--arch", "qwen3", "--out", str(out),
+                    "--num_layers", "2"], check=True, cwd=REPO, capture_output=True)
+    return out
+
+
+def sft(qwen3: Path, out_dir: Path, nproc: int, *extra: str, check: bool = True):
+    return run_script("train_sft.py", [
+        "--config", "configs/sft/tiny_qwen3.yaml", "--model.path", str(qwen3 / "init"),
+        "--data.path", str(qwen3 / "data" / "train.jsonl"), "--data.eval_path", str(qwen3 / "data" / "eval.jsonl"),
+        "--out_dir", str(out_dir), "--train.steps", str(STEPS), "--train.eval_every", "0", "--train.log_every", "1",
+        "--data.eval_rows", "8", "--train.batch_size", "16", "--train.micro_batch_size", "4", "--fsdp.shard",
+        "--ckpt.save_every", "2", *extra], nproc=nproc, check=check)
+
+
+def test_tensor_parallel_training_is_one_process_training(qwen3, tmp_path):
+    """The same AdamW steps (clipped at 1.0) on 1 rank, on 2 tensor-parallel ranks and on 2 x 2 give the same losses
+    and gradient norms at every step and the same exported weights (the heads, q/k norms and the tied head included,
+    to float rounding); the 2 x 2 run stopped at step 2 resumes onto its straight curve."""
+    sft(qwen3, tmp_path / "one", 1)
+    sft(qwen3, tmp_path / "tp", 2, "--fsdp.tensor_parallel_size", "2")
+    sft(qwen3, tmp_path / "fsdp_tp", 4, "--fsdp.tensor_parallel_size", "2")
+    one = read_metrics(tmp_path / "one")
+    for run in ("tp", "fsdp_tp"):
+        metrics = read_metrics(tmp_path / run)
+        for step in range(1, STEPS + 1):
+            for key in ("train/loss", "train/grad_norm"):
+                assert metrics[step][key] == pytest.approx(one[step][key], rel=1e-5), (run, step, key)
+        expected, got = (load_file(tmp_path / r / "hf" / "model.safetensors") for r in ("one", run))
+        assert expected.keys() == got.keys()
+        gap = max((expected[k] - got[k]).abs().max().item() for k in expected)
+        assert gap < 1e-5, (run, gap)
+        assert not torch.equal(expected["model.layers.0.self_attn.q_norm.weight"],
+                               load_file(qwen3 / "init" / "model.safetensors")["model.layers.0.self_attn.q_norm.weight"])
+
+    sft(qwen3, tmp_path / "split", 4, "--fsdp.tensor_parallel_size", "2", "--train.stop_at_step", "2")
+    resumed = sft(qwen3, tmp_path / "split", 4, "--fsdp.tensor_parallel_size", "2")
+    assert "resumed from" in resumed.stdout
+    straight, split = read_metrics(tmp_path / "fsdp_tp"), read_metrics(tmp_path / "split")
+    for step in range(3, STEPS + 1):
+        for key in ("train/loss", "train/grad_norm"):
+            assert split[step][key] == pytest.approx(straight[step][key], rel=1e-6, abs=1e-7), (step, key)
+
+
+@pytest.mark.parametrize("nproc, tp, message", [
+    (3, 3, "fsdp.tensor_parallel_size=3 does not split the model's 4 attention heads evenly"),
+    (2, 4, "fsdp.tensor_parallel_size=4 does not divide the 2 ranks (2 per node)"),
+])
+def test_a_tensor_parallel_size_that_does_not_fit_is_a_config_error(qwen3, tmp_path, nproc, tp, message):
+    proc = sft(qwen3, tmp_path, nproc, "--fsdp.tensor_parallel_size", str(tp), check=False)
+    assert_clean_error(proc, "train_sft.py", f"config error: {message}")
