@@ -31,14 +31,17 @@ def training_mesh(ranks: list[int], device_type: str, tp: int) -> DeviceMesh:
     return DeviceMesh(device_type, torch.tensor(ranks).view(-1, tp), mesh_dim_names=("dp", "tp"))
 
 
-def check_tensor_parallel(tp: int, shard: bool, model_config) -> None:
+def check_tensor_parallel(tp: int, shard: bool, lora: bool, model_config) -> None:
     """A tensor-parallel size that does not split the model's heads or MLP is a config error (one that does not
-    divide the ranks or a node is `init_dist`'s)."""
+    divide the ranks or a node is `init_dist`'s), and so is one with replicated ranks or a LoRA adapter (peft's
+    layers wrap the linears the plan names)."""
     if tp == 1:
         return
     name = "fsdp.tensor_parallel_size"
     if not shard:
         raise ForgeError(f"config error: {name}={tp} needs fsdp.shard true (tensor parallelism shards each layer)")
+    if lora:
+        raise ForgeError(f"config error: {name}={tp} with model.lora.rank: LoRA trains without tensor parallelism")
     config = model_config.get_text_config()
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

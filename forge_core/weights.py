@@ -35,7 +35,7 @@ def build_model(cfg: ModelConfig, mesh: DeviceMesh, fsdp: FSDPConfig, seed: int 
     """Collective over `mesh`: the model sharded over it with the weights of `cfg.path` (and, `cfg.lora.rank` > 0,
     a fresh adapter drawn from `seed`)."""
     model = _empty_model(cfg)
-    check_tensor_parallel(fsdp.tensor_parallel_size, fsdp.shard, model.config)
+    check_tensor_parallel(fsdp.tensor_parallel_size, fsdp.shard, bool(cfg.lora.rank), model.config)
     if cfg.lora.rank:
         model = add_adapter(model, cfg.lora)
     model = shard(model, mesh, fsdp)

@@ -61,10 +61,11 @@ def test_tensor_parallel_training_is_one_process_training(qwen3, tmp_path):
             assert split[step][key] == pytest.approx(straight[step][key], rel=1e-6, abs=1e-7), (step, key)
 
 
-@pytest.mark.parametrize("nproc, tp, message", [
-    (3, 3, "fsdp.tensor_parallel_size=3 does not split the model's 4 attention heads evenly"),
-    (2, 4, "fsdp.tensor_parallel_size=4 does not divide the 2 ranks (2 per node)"),
+@pytest.mark.parametrize("nproc, tp, extra, message", [
+    (3, 3, [], "fsdp.tensor_parallel_size=3 does not split the model's 4 attention heads evenly"),
+    (2, 4, [], "fsdp.tensor_parallel_size=4 does not divide the 2 ranks (2 per node)"),
+    (2, 2, ["--model.lora.rank", "4"], "fsdp.tensor_parallel_size=2 with model.lora.rank"),
 ])
-def test_a_tensor_parallel_size_that_does_not_fit_is_a_config_error(qwen3, tmp_path, nproc, tp, message):
-    proc = sft(qwen3, tmp_path, nproc, "--fsdp.tensor_parallel_size", str(tp), check=False)
+def test_a_tensor_parallel_size_that_does_not_fit_is_a_config_error(qwen3, tmp_path, nproc, tp, extra, message):
+    proc = sft(qwen3, tmp_path, nproc, "--fsdp.tensor_parallel_size", str(tp), *extra, check=False)
     assert_clean_error(proc, "train_sft.py", f"config error: {message}")
