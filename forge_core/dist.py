@@ -83,9 +83,30 @@ class Roles:
     reference_ranks: list[int]
     reward_ranks: list[int]
     scoring_ranks: list[int]                        # exchange rollouts and scores; the others have no work
-    policy_mesh: DeviceMesh | None = None           # only on policy ranks
+    policy_mesh: DeviceMesh | None = None           # only on policy ranks: 1-D, or ("dp", "tp")
     reference_mesh: DeviceMesh | None = None        # only on reference ranks
     groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
+    tensor_parallel: int = 1                        # policy ranks per block that splits each layer in training
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of the policy's data this policy rank trains on: its tensor-parallel block's (every rank
+        of a block trains on the same sequences)."""
+        return self.policy_ranks.index(self.rank) // self.tensor_parallel
+
+    @property
+    def data_ranks(self) -> int:
+        return len(self.policy_ranks) // self.tensor_parallel
+
+    @property
+    def data_group(self) -> dist.ProcessGroup | None:
+        """One policy rank of each block, this one's: over them the policy's sums and exchanges are taken."""
+        return self.policy_mesh["dp"].get_group() if self.tensor_parallel > 1 else self.groups["policy"]
+
+    @property
+    def speaks_for_block(self) -> bool:
+        """The first rank of its block: it alone sends the block's sequences to be scored."""
+        return self.policy_ranks.index(self.rank) % self.tensor_parallel == 0
 
     @property
     def rank(self) -> int:
@@ -182,17 +203,26 @@ def role_ranks(layout: Layout, world_size: int) -> tuple[list[int], list[int], l
     return ranks[:layout.policy], ranks[layout.policy:reference_end], ranks[reference_end:]
 
 
-def init_roles(layout: Layout, cfg: DistConfig = DistConfig(), reference_scores: bool = True) -> Roles:
+def init_roles(layout: Layout, cfg: DistConfig = DistConfig(), reference_scores: bool = True,
+               tensor_parallel: int = 1) -> Roles:
     """Split the world into policy | reference | reward ranks with a group and mesh each, and a `scoring`
-    group: the ranks that exchange rollouts and scores (the reference ranks only if they compute something)."""
+    group: the ranks that exchange rollouts and scores (the reference ranks only if they compute something).
+    `tensor_parallel` > 1: the policy's mesh is ("dp", "tp"), blocks of that many consecutive policy ranks."""
     d = init_dist(cfg)
     policy, reference, reward = role_ranks(layout, d.world_size)
+    if len(policy) % tensor_parallel:
+        raise ForgeError(f"config error: fsdp.tensor_parallel_size={tensor_parallel} does not divide "
+                         f"layout.policy={len(policy)}")
     scoring = sorted(policy + reward + (reference if reference_scores else []))
-    roles = Roles(d, policy, reference, reward, scoring)
+    roles = Roles(d, policy, reference, reward, scoring, tensor_parallel=tensor_parallel)
     _here.role = "policy" if roles.is_policy else "reference" if roles.is_reference else "reward"
     for name, ranks in (("policy", policy), ("reference", reference), ("reward", reward), ("scoring", scoring)):
         roles.groups[name] = dist.new_group(ranks, timeout=d.timeout) if ranks else None   # not inherited
-    if roles.is_policy:
+    if tensor_parallel > 1:     # every rank builds it (and its flattened group): the world creates mesh groups
+        mesh = training_mesh(policy, d.device.type, tensor_parallel)
+        mesh._flatten()
+        roles.policy_mesh = mesh if roles.is_policy else None
+    elif roles.is_policy:
         roles.policy_mesh = DeviceMesh.from_group(roles.groups["policy"], d.device.type)
     if roles.is_reference:
         roles.reference_mesh = DeviceMesh.from_group(roles.groups["reference"], d.device.type)

@@ -19,6 +19,7 @@ from .config import ForgeError
 from .dist import Roles, freeze_startup_objects, mirror_world_calls, published_world_calls
 from .model import ModelConfig, bf16_chosen, cpu_has_bf16
 from .rollout import Rollout, pad_left, pad_right
+from .routes import attach_routes
 
 __all__ = ["EngineConfig", "SamplingConfig", "build_engine", "engine_group", "cpu_engine_setup",
            "eager_everywhere", "inverse_cdf_sampling", "join_engine_groups", "check_kv_cache", "check_tensor_parallel",
@@ -289,17 +290,21 @@ def generate(engine, prompts: list[list[int]], row_ids: list[int], cfg: Sampling
                              stop_token_ids=list(stop_ids))
     with seeded_draws(seed):
         outputs = engine.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
-    completions, logprobs, truncated = [], [], []
+    completions, logprobs, truncated, routes = [], [], [], []
     for sample in (sample for out in outputs for sample in out.outputs):
         ids = list(sample.token_ids)
         completions.append(ids)
         logprobs.append(sampled_logprobs(sample))
         truncated.append(sample.finish_reason == "length")
+        routes.append(getattr(sample, "routed_experts", None))
     prompt_ids, prompt_mask = (t.repeat_interleave(G, 0) for t in pad_left(prompts, pad_id))
     completion_ids, completion_mask = pad_right(completions, pad_id)    # C = this batch's longest completion
     sampler_logprobs, _ = pad_right(logprobs, 0.0, dtype=torch.float32)
-    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs,
-                   torch.tensor(truncated), [r for r in row_ids for _ in range(G)])
+    rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs,
+                      torch.tensor(truncated), [r for r in row_ids for _ in range(G)])
+    if routes[0] is not None:       # an engine that returns its experts (forge_core/routes.py)
+        attach_routes(rollout, routes)
+    return rollout
 
 
 @contextlib.contextmanager

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from .rollout import Rollout
 
-__all__ = ["MetricLogger", "reduce_metrics", "rollout_metrics", "peak_memory_gb"]
+__all__ = ["MetricLogger", "reduce_metrics", "reduce_sum", "rollout_metrics", "peak_memory_gb"]
 
 
 class MetricLogger:
@@ -66,11 +67,17 @@ def reduce_metrics(sums: dict[str, float], group: dist.ProcessGroup | None = Non
     if not sums:
         return {}
     keys = sorted(sums)
-    nccl = dist.is_initialized() and "nccl" in str(dist.get_backend(group))
-    values = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device="cuda" if nccl else "cpu")
-    if dist.is_initialized():
-        dist.all_reduce(values, group=group)
-    return dict(zip(keys, values.tolist()))
+    return dict(zip(keys, reduce_sum(torch.tensor([float(sums[k]) for k in keys]), group).tolist()))
+
+
+def reduce_sum(values: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """A CPU tensor summed over `group`, in float64 (on the GPU where the group is NCCL's), back on CPU."""
+    if not dist.is_initialized():
+        return values.double()
+    nccl = "nccl" in str(dist.get_backend(group))
+    values = values.to("cuda" if nccl else "cpu", torch.float64)
+    dist.all_reduce(values, group=group)
+    return values.cpu()
 
 
 def peak_memory_gb(device: torch.device) -> float:

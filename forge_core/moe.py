@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
 from .config import ForgeError
-from .metrics import reduce_metrics
+from .metrics import reduce_sum
 
 __all__ = ["is_fused_experts", "checkpoint_tensors", "local_experts", "engine_destinations", "repack", "synced_experts",
            "Routers", "real_tokens"]
@@ -122,8 +122,7 @@ def real_tokens(mask: Tensor):
 class Routers:
     """A model's routers (the `gate` of each block that has `experts`; none for a dense model), watched by forward
     hooks during training forwards (gradients on, not backward's recomputation): their logits, and which tokens
-    were real (`real_tokens`, or else the model's 2-D attention mask; else all: packed SFT rows count their tail's
-    padding)."""
+    were real (`real_tokens`, as the scripts give them, or else the model's 2-D attention mask; else all)."""
 
     def __init__(self, model: nn.Module, aux_loss_weight: float = 0.0):
         blocks = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
@@ -183,12 +182,11 @@ class Routers:
         load's max over its mean (and the largest of those)."""
         if not self:
             return {}
-        counts = self.counts.flatten().tolist()
-        sums = reduce_metrics({"aux": self.aux_sum, "forwards": self.forwards,
-                               **{f"count{i:06d}": c for i, c in enumerate(counts)}}, group)
-        counts = torch.tensor([sums[f"count{i:06d}"] for i in range(len(counts))]).view(self.layers, self.experts)
+        totals = torch.tensor([self.aux_sum, self.forwards], dtype=torch.float64)
+        sums = reduce_sum(torch.cat([self.counts.flatten(), totals]), group)
+        counts, (aux, forwards) = sums[:-2].view(self.layers, self.experts), sums[-2:].tolist()
         ratio = (counts.max(1).values * self.experts / counts.sum(1).clamp(min=1)).tolist()
         self.counts.zero_()
         self.aux_sum, self.forwards = 0.0, 0
-        return {"moe/aux_loss": sums["aux"] / max(sums["forwards"], 1), "moe/load_max_over_mean": max(ratio),
+        return {"moe/aux_loss": aux / max(forwards, 1), "moe/load_max_over_mean": max(ratio),
                 **{f"moe/layer{i}/load_max_over_mean": r for i, r in enumerate(ratio)}}

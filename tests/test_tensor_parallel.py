@@ -1,6 +1,7 @@
 """Tensor parallelism in training (forge_core/tensor_parallel.py, `fsdp.tensor_parallel_size`): train_sft.py on a
 tiny Qwen3 (grouped-query attention, per-head q/k norms, a tied head) on 2 ranks of tensor parallelism and on 2 x 2
-(FSDP over 2 data-parallel blocks of 2 tensor-parallel ranks) against one process, resumed, and its config errors."""
+(FSDP over 2 data-parallel blocks of 2 tensor-parallel ranks) against one process, resumed, and its config errors;
+train_grpo.py's policy blocks of 2 tensor-parallel ranks against FSDP alone."""
 
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, assert_clean_error, read_metrics, run_script
+from conftest import REPO, assert_clean_error, assert_same_curve, read_metrics, run_script
 
 STEPS = 4
 
@@ -69,3 +70,42 @@ def test_tensor_parallel_training_is_one_process_training(qwen3, tmp_path):
 def test_a_tensor_parallel_size_that_does_not_fit_is_a_config_error(qwen3, tmp_path, nproc, tp, extra, message):
     proc = sft(qwen3, tmp_path, nproc, "--fsdp.tensor_parallel_size", str(tp), *extra, check=False)
     assert_clean_error(proc, "train_sft.py", f"config error: {message}")
+
+
+def grpo(qwen3: Path, out_dir: Path, nproc: int, *extra: str, check: bool = True):
+    return run_script("train_grpo.py", [
+        "--config", "configs/grpo/tiny_qwen3.yaml", "--model.path", str(qwen3 / "init"),
+        "--data.path", str(qwen3 / "data" / "train.jsonl"), "--data.eval_path", str(qwen3 / "data" / "eval.jsonl"),
+        "--out_dir", str(out_dir), "--train.steps", str(STEPS), "--train.eval_every", "0", "--data.eval_rows", "16",
+        "--train.prompts_per_step", "8", "--train.micro_batch_size", "16", "--sampling.max_tokens", "6",
+        "--optim.lr", "3e-3", "--rewards.functions", "tests/rewards_for_tests.py:digit_fraction", "--fsdp.shard",
+        "--engine.tensor_parallel_size", "2", *extra], nproc=nproc, check=check)
+
+
+@pytest.mark.parametrize("layout", [
+    ["--layout.policy", "2", "--layout.reference", "1", "--layout.reward", "1", "--loss.beta", "0.04"],
+    ["--layout.policy", "4", "--layout.reference", "0", "--layout.reward", "0"],
+], ids=["tp2_with_scoring_ranks", "2x2_policy_only"])
+def test_tensor_parallel_grpo_is_fsdp_grpo(qwen3, tmp_path, layout):
+    """Each engine's 2 ranks train as one tensor-parallel block on what it sampled (FSDP alone splits it between
+    them): the same rewards, gradient norms, KL and entropy at every step, and the engine's logprobs equal the
+    trainer's after each sync. One block with reward and reference ranks (its first rank alone sends the rollout
+    and gets the scores for both), and two blocks alone (FSDP over them, the rewards computed by each block's first
+    rank)."""
+    grpo(qwen3, tmp_path / "tp", 4, *layout, "--fsdp.tensor_parallel_size", "2")
+    grpo(qwen3, tmp_path / "fsdp", 4, *layout)
+    tp, fsdp = read_metrics(tmp_path / "tp"), read_metrics(tmp_path / "fsdp")
+    assert_same_curve(tp, fsdp, range(1, STEPS + 1), ("reward/mean", "loss/entropy", "train/grad_norm", "loss/kl"))
+    assert all(tp[step]["loss/logprob_gap"] < 1e-5 for step in range(1, STEPS + 1))
+    assert tp[STEPS]["train/tokens"] == fsdp[STEPS]["train/tokens"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--layout.policy", "4", "--layout.reference", "0", "--layout.reward", "0", "--engine.tensor_parallel_size", "1"],
+     "fsdp.tensor_parallel_size=2 does not divide engine.tensor_parallel_size=1"),
+    (["--layout.policy", "3", "--layout.reference", "0", "--layout.reward", "1"],
+     "fsdp.tensor_parallel_size=2 does not divide layout.policy=3"),
+])
+def test_a_grpo_tensor_parallel_size_that_does_not_fit_is_a_config_error(qwen3, tmp_path, extra, message):
+    proc = grpo(qwen3, tmp_path, 4, "--fsdp.tensor_parallel_size", "2", *extra, check=False)
+    assert_clean_error(proc, "train_grpo.py", f"config error: {message}")
