@@ -49,6 +49,7 @@ from forge_core.scoring import (RewardModel, accuracy_scorer, function_names, lo
                                 score)
 from forge_core.snapshots import SnapshotPool
 from forge_core.sync import WeightSync
+from forge_core.tensor_parallel import vocab_parallel
 from forge_core.weights import build_model, export_hf
 
 # where a bare name in rewards.functions or env.name is found: this script's neighbours
@@ -243,7 +244,8 @@ def token_logprobs(model, part: Rollout, temperature: float, with_entropy: bool 
     part = part.to(model.device)       # a no-op on CPU and for a rollout the trainer already moved
     rows = shared_prompt_rows(part)
     block_sparse = model.config._attn_implementation == "flex_attention"
-    with real_tokens(rows.owner != -2), replayed_routes(rows.routes):   # an MoE's (forge_core/moe.py, routes.py)
+    # an MoE's real tokens and routes (forge_core/moe.py, routes.py); a tensor-parallel head's split logits
+    with real_tokens(rows.owner != -2), replayed_routes(rows.routes), vocab_parallel():
         logits = model(input_ids=rows.input_ids, attention_mask=rows.attention_mask(block_sparse),
                        position_ids=rows.position_ids, logits_to_keep=rows.logits_to_keep, use_cache=False).logits
                                                                                           # [u, L - P, V]

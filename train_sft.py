@@ -29,6 +29,7 @@ from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, linear_kerne
                               turn_end)
 from forge_core.moe import Routers, real_tokens
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
+from forge_core.tensor_parallel import vocab_parallel
 from forge_core.weights import build_model, export_hf
 
 
@@ -136,7 +137,8 @@ def token_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     the columns where some row has a label (HF's `logits_to_keep`): prompt positions need no logits."""
     targets = batch.pop("labels")[:, 1:]                                  # [N, S-1] next-token labels
     columns = (targets != IGNORE).any(0).nonzero().flatten()             # [K] positions that are trained on
-    logits = model(**batch, use_cache=False, logits_to_keep=columns).logits            # [N, K, V]
+    with vocab_parallel():                  # a tensor-parallel head's logits stay split over the vocabulary
+        logits = model(**batch, use_cache=False, logits_to_keep=columns).logits        # [N, K, V]
     kept = targets[:, columns].flatten()
     labelled = (kept != IGNORE).nonzero().flatten()
     return -chosen_logprobs(logits.flatten(0, 1), labelled, kept[labelled])[0].sum()

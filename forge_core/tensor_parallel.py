@@ -3,24 +3,27 @@ MLP width (Megatron's layout), FSDP2 shards over the data-parallel ranks, the 2-
 tensor-parallel block of consecutive ranks, inside a node, where the per-layer all-reduces are cheap.
 
 The plan is torchtitan's, by the HF module names: q/k/v and gate/up `ColwiseParallel`, o/down `RowwiseParallel` (an
-all-reduce after each), the embedding `RowwiseParallel` over the vocabulary, the head `ColwiseParallel` gathered back
-to whole logits (the loss code reads them whole), Qwen3's per-head q/k norms as replicated parameters over the local
-heads (their gradients then sum over the ranks: left as plain tensors each rank's held only its heads'). TP is
-applied before FSDP (torchtitan's order). A Mixture-of-Experts model's experts and routers stay whole on each
+all-reduce after each), the embedding `RowwiseParallel` over the vocabulary, the head `ColwiseParallel` with its
+logits left split over the vocabulary inside `vocab_parallel` (loss parallel: the loss code's `chosen_logprobs` joins
+each row's softmax by all-reduces of [rows] numbers, so no rank holds whole logits) and gathered whole outside it (HF
+generate), Qwen3's per-head q/k norms as replicated parameters over the local heads (their gradients then sum over
+the ranks: left as plain tensors each rank's held only its heads'). TP is applied before FSDP (torchtitan's order). A Mixture-of-Experts model's experts and routers stay whole on each
 tensor-parallel rank and are FSDP-sharded over dp only.
 """
+
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
 from .config import ForgeError
 
-__all__ = ["training_mesh", "check_tensor_parallel", "parallelize", "flat_group"]
+__all__ = ["training_mesh", "check_tensor_parallel", "parallelize", "vocab_parallel", "flat_group"]
 
 
 def training_mesh(ranks: list[int], device_type: str, tp: int) -> DeviceMesh:
@@ -66,9 +69,29 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
             plan |= {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                      "mlp.down_proj": RowwiseParallel()}
         parallelize_module(layer, mesh, plan)
-    parallelize_module(hf, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    parallelize_module(hf, mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    hf.lm_head.register_forward_hook(_whole_unless_vocab_parallel)
     if hf.config.get_text_config().tie_word_embeddings:     # both split the vocabulary: one tensor again
         hf.lm_head.weight = hf.model.embed_tokens.weight
+
+
+_split_logits = False
+
+
+@contextmanager
+def vocab_parallel():
+    """Within: a tensor-parallel head's logits stay DTensors split over the vocabulary (for `chosen_logprobs`);
+    outside they are gathered whole. No effect on a model without tensor parallelism."""
+    global _split_logits
+    _split_logits = True
+    try:
+        yield
+    finally:
+        _split_logits = False
+
+
+def _whole_unless_vocab_parallel(module: nn.Module, args, output):
+    return output if _split_logits else output.full_tensor()
 
 
 def flat_group(mesh: DeviceMesh) -> dist.ProcessGroup:

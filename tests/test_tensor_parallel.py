@@ -3,6 +3,7 @@ tiny Qwen3 (grouped-query attention, per-head q/k norms, a tied head) on 2 ranks
 (FSDP over 2 data-parallel blocks of 2 tensor-parallel ranks) against one process, resumed, and its config errors;
 train_grpo.py's policy blocks of 2 tensor-parallel ranks against FSDP alone."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,14 @@ def test_tensor_parallel_grpo_is_fsdp_grpo(qwen3, tmp_path, layout):
 def test_a_grpo_tensor_parallel_size_that_does_not_fit_is_a_config_error(qwen3, tmp_path, extra, message):
     proc = grpo(qwen3, tmp_path, 4, "--fsdp.tensor_parallel_size", "2", *extra, check=False)
     assert_clean_error(proc, "train_grpo.py", f"config error: {message}")
+
+
+def test_logprobs_of_logits_split_over_the_vocabulary_are_the_whole_ones():
+    """Loss parallel: a tensor-parallel head's logits stay split over the vocabulary (each rank its columns) and
+    `chosen_logprobs` joins each row's softmax by all-reduces; its logprobs, entropies and gradients equal those of the
+    whole logits (37 columns over 2 ranks, chosen tokens on both; tests/vocab_parallel_check.py). The tiny tasks' tokens
+    all lie in the first rank's columns, so the training parity above cannot tell."""
+    proc = run_script("tests/vocab_parallel_check.py", [], nproc=2)
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert result["ids_on_each_rank"], result
+    assert result["picked_gap"] < 1e-5 and result["entropy_gap"] < 1e-4 and result["grad_gap"] < 1e-5, result
