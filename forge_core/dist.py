@@ -207,7 +207,8 @@ def init_roles(layout: Layout, cfg: DistConfig = DistConfig(), reference_scores:
                tensor_parallel: int = 1) -> Roles:
     """Split the world into policy | reference | reward ranks with a group and mesh each, and a `scoring`
     group: the ranks that exchange rollouts and scores (the reference ranks only if they compute something).
-    `tensor_parallel` > 1: the policy's mesh is ("dp", "tp"), blocks of that many consecutive policy ranks."""
+    `tensor_parallel` > 1: the policy's mesh is ("dp", "tp"), blocks of that many consecutive policy ranks, and so is
+    the reference's where their number is a multiple of it (else FSDP alone over them)."""
     d = init_dist(cfg)
     policy, reference, reward = role_ranks(layout, d.world_size)
     if len(policy) % tensor_parallel:
@@ -218,15 +219,23 @@ def init_roles(layout: Layout, cfg: DistConfig = DistConfig(), reference_scores:
     _here.role = "policy" if roles.is_policy else "reference" if roles.is_reference else "reward"
     for name, ranks in (("policy", policy), ("reference", reference), ("reward", reward), ("scoring", scoring)):
         roles.groups[name] = dist.new_group(ranks, timeout=d.timeout) if ranks else None   # not inherited
-    if tensor_parallel > 1:     # every rank builds it (and its flattened group): the world creates mesh groups
-        mesh = training_mesh(policy, d.device.type, tensor_parallel)
-        mesh._flatten()
-        roles.policy_mesh = mesh if roles.is_policy else None
-    elif roles.is_policy:
+    # 2-D meshes: every rank builds them (and their flattened groups), since the world creates a mesh's groups
+    if tensor_parallel > 1:
+        roles.policy_mesh = _block_mesh(policy, d.device.type, tensor_parallel, roles.is_policy)
+        if reference and len(reference) % tensor_parallel == 0:     # else FSDP alone over them
+            roles.reference_mesh = _block_mesh(reference, d.device.type, tensor_parallel, roles.is_reference)
+    if roles.is_policy and roles.policy_mesh is None:
         roles.policy_mesh = DeviceMesh.from_group(roles.groups["policy"], d.device.type)
-    if roles.is_reference:
+    if roles.is_reference and roles.reference_mesh is None:
         roles.reference_mesh = DeviceMesh.from_group(roles.groups["reference"], d.device.type)
     return roles
+
+
+def _block_mesh(ranks: list[int], device_type: str, tensor_parallel: int, member: bool) -> DeviceMesh | None:
+    """A role's ("dp", "tp") mesh, built by every rank of the world; its members get it."""
+    mesh = training_mesh(ranks, device_type, tensor_parallel)
+    mesh._flatten()
+    return mesh if member else None
 
 
 def exchange(payload, group: dist.ProcessGroup | None = None) -> list:

@@ -51,8 +51,11 @@ def reward_answerer(roles: Roles, tokenizer, rows: list[dict], pool, cfg, reward
 
 def reference_answerer(roles: Roles, logprobs: Callable[[Rollout], Tensor]) -> Callable[[dict], dict]:
     """Reference ranks: `logprobs` (the frozen policy's, FSDP over the reference group) of their chunk of all
-    sequences; chunks are padded to equal length so every rank runs the same number of forwards."""
-    me, R = roles.reference_ranks.index(roles.rank), len(roles.reference_ranks)
+    sequences, a tensor-parallel block's ranks the same chunk; chunks are padded to equal length so every rank
+    runs the same number of forwards."""
+    mesh = roles.reference_mesh
+    tp = mesh["tp"].size() if mesh.ndim == 2 else 1
+    me, R = roles.reference_ranks.index(roles.rank) // tp, len(roles.reference_ranks) // tp
 
     def answer(batch: dict) -> dict:
         n = len(batch["row_ids"])

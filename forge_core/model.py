@@ -57,7 +57,8 @@ class FSDPConfig:
     # torch's own on Intel (MKL's fast paths; oneDNN was 0.8-1.05x of it on AVX-512 Xeons): bench/bench_gemm.py
     linear_kernel: Literal["auto", "onednn", "torch"] = "auto"
     # ranks that split each decoder layer's heads and MLP width (forge_core/tensor_parallel.py), inside a node;
-    # FSDP shards over the data-parallel rest
+    # FSDP shards over the data-parallel rest. GRPO: blocks of policy ranks (dividing the engines'), and of
+    # reference ranks where their number is a multiple of it
     tensor_parallel_size: PositiveInt = 1
     # host memory for what does not fit the GPU (README "Models bigger than one process"): FSDP2's CPUOffloadPolicy keeps parameters,
     # gradients and Adam's state on the host (the optimizer steps there); activation_offload keeps each decoder

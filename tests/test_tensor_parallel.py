@@ -86,13 +86,14 @@ def grpo(qwen3: Path, out_dir: Path, nproc: int, *extra: str, check: bool = True
 @pytest.mark.parametrize("layout", [
     ["--layout.policy", "2", "--layout.reference", "1", "--layout.reward", "1", "--loss.beta", "0.04"],
     ["--layout.policy", "4", "--layout.reference", "0", "--layout.reward", "0"],
-], ids=["tp2_with_scoring_ranks", "2x2_policy_only"])
+    ["--layout.policy", "2", "--layout.reference", "2", "--layout.reward", "0", "--loss.beta", "0.04"],
+], ids=["tp2_with_scoring_ranks", "2x2_policy_only", "tp2_policy_and_reference"])
 def test_tensor_parallel_grpo_is_fsdp_grpo(qwen3, tmp_path, layout):
     """Each engine's 2 ranks train as one tensor-parallel block on what it sampled (FSDP alone splits it between
     them): the same rewards, gradient norms, KL and entropy at every step, and the engine's logprobs equal the
     trainer's after each sync. One block with reward and reference ranks (its first rank alone sends the rollout
-    and gets the scores for both), and two blocks alone (FSDP over them, the rewards computed by each block's first
-    rank)."""
+    and gets the scores for both), two blocks alone (FSDP over them, the rewards computed by each block's first
+    rank), and a block of reference ranks beside the policy's (its KL terms)."""
     grpo(qwen3, tmp_path / "tp", 4, *layout, "--fsdp.tensor_parallel_size", "2")
     grpo(qwen3, tmp_path / "fsdp", 4, *layout)
     tp, fsdp = read_metrics(tmp_path / "tp"), read_metrics(tmp_path / "fsdp")
