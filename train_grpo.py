@@ -351,9 +351,9 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
         set_phase("generate")
         drawn = sample_indices(step, cfg.train.prompts_per_step, num_rows, cfg.train.seed)
         index = drawn[engine * per_rank * tp:(engine + 1) * per_rank * tp]
+        routes = {"routes": True} if cfg.train.routing_replay != "off" else {}    # single-turn only (check_config)
         # the engine's ranks in blocks of train_tp, each block trains on its share (each of its ranks the same)
-        rollout = engine_share(sample(index, seed=cfg.train.seed + step * 1_000 + engine,
-                                      routes=cfg.train.routing_replay != "off"), len(index),
+        rollout = engine_share(sample(index, seed=cfg.train.seed + step * 1_000 + engine, **routes), len(index),
                                place // train_tp, tp // train_tp)
         return balanced_share(exchange(rollout, roles.data_group), roles.data_rank, G, cfg.train.micro_batch_size,
                               len(rollout) // cfg.train.mini_batches)
