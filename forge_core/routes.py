@@ -115,7 +115,7 @@ class RoutingReplay:
     def __init__(self, model: nn.Module, replay: bool):
         blocks = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
         if not blocks:
-            raise ForgeError("config error: model.routing_replay is set, but the model has no routers (it is not a "
+            raise ForgeError("config error: train.routing_replay is set, but the model has no routers (it is not a "
                              "Mixture-of-Experts model)")
         self.replay, self.routes = replay, None
         self.differ, self.total = 0.0, 0.0
