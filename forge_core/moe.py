@@ -31,7 +31,7 @@ from .config import ForgeError
 from .metrics import reduce_sum
 
 __all__ = ["is_fused_experts", "checkpoint_tensors", "local_experts", "engine_destinations", "repack", "synced_experts",
-           "Routers", "real_tokens"]
+           "moe_blocks", "Routers", "real_tokens"]
 
 _PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}    # fused: checkpoint projections
 _ENGINE = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}                  # vLLM: trainer
@@ -119,13 +119,18 @@ def real_tokens(mask: Tensor):
         _real_tokens = None
 
 
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's Mixture-of-Experts blocks (a `gate`, the router, and `experts`), in layer order."""
+    return [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
+
+
 class Routers:
     """A model's routers (the `gate` of each block that has `experts`; none for a dense model), watched by forward
     hooks during training forwards (gradients on, not backward's recomputation): their logits, and which tokens
     were real (`real_tokens`, as the scripts give them, or else the model's 2-D attention mask; else all)."""
 
     def __init__(self, model: nn.Module, aux_loss_weight: float = 0.0):
-        blocks = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
+        blocks = moe_blocks(model)
         if aux_loss_weight and not blocks:
             raise ForgeError("config error: model.router_aux_loss is set, but the model has no routers (it is not "
                              "a Mixture-of-Experts model)")

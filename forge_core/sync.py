@@ -83,15 +83,14 @@ class WeightSync:
 
     def __call__(self, snapshot: Snapshot | None = None) -> SyncStats:
         t0 = time.perf_counter()
+        assert snapshot is None or hasattr(self, "destinations"), "snapshots are of engines of one rank"
         if hasattr(self, "destinations"):
             gather_seconds = self._copy(snapshot) - t0
             self.engine.apply_model(_repack)
         elif hasattr(self, "partitions"):
-            assert snapshot is None, "snapshots are of engines of one rank (tensor_parallel_size 1)"
             gather_seconds = self._copy_partitions()
             self.engine.apply_model(_repack)
         else:
-            assert snapshot is None, "snapshots are of engines of one rank (tensor_parallel_size 1)"
             gather_seconds = self._reload()
         if self.prefix_caching and not self.engine.reset_prefix_cache():   # vLLM refuses while requests run
             raise RuntimeError("vLLM kept its prefix cache: cached prompt blocks would hold the old weights' keys")

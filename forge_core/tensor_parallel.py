@@ -7,8 +7,9 @@ all-reduce after each), the embedding `RowwiseParallel` over the vocabulary, the
 logits left split over the vocabulary inside `vocab_parallel` (loss parallel: the loss code's `chosen_logprobs` joins
 each row's softmax by all-reduces of [rows] numbers, so no rank holds whole logits) and gathered whole outside it (HF
 generate), Qwen3's per-head q/k norms as replicated parameters over the local heads (their gradients then sum over
-the ranks: left as plain tensors each rank's held only its heads'). TP is applied before FSDP (torchtitan's order). A Mixture-of-Experts model's experts and routers stay whole on each
-tensor-parallel rank and are FSDP-sharded over dp only.
+the ranks: left as plain tensors each rank's held only its heads'). TP is applied before FSDP (torchtitan's order).
+A Mixture-of-Experts model's experts and routers stay whole on each tensor-parallel rank and are FSDP-sharded over dp
+only.
 """
 
 from contextlib import contextmanager

@@ -18,6 +18,7 @@ from forge_core.data import chat_prompt_ids, read_rows
 from forge_core.dist import Layout, init_roles, run_main
 from forge_core.engine import EngineConfig, SamplingConfig, build_engine, generate
 from forge_core.model import ModelConfig, load_tokenizer
+from forge_core.moe import moe_blocks
 from forge_core.rollout import shared_prompt_rows
 from forge_core.routes import RoutingReplay, read_routes
 from train_grpo import token_logprobs
@@ -37,7 +38,7 @@ def main(model_dir: str, data: str) -> None:
     given = shared_prompt_rows(rollout).routes
     real = given[..., 0, 0] >= 0                                                  # [u, L] tokens with routes
     seen = []                                                                     # each layer's experts' routes
-    blocks = [m for m in trainer.modules() if hasattr(m, "experts")]
+    blocks = moe_blocks(trainer)
     for block in blocks:
         block.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[1].detach().clone()))
 
