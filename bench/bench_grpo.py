@@ -504,14 +504,18 @@ def report(r: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def print_result(result: dict | None) -> None:
+    if result is not None:
+        print(json.dumps(result))
+
+
 def main() -> None:
     args = parse_args()
     if args.worker:
-        result = {"vllm": vllm_worker, "trl": trl_worker, "broadcast": broadcast_worker}[args.worker](
-            json.loads(Path(args.spec).read_text()))
-        if result is not None:
-            print(json.dumps(result))
-        return
+        sys.path.insert(0, str(REPO))
+        from forge_core.dist import run_main
+        run_main(lambda: print_result({"vllm": vllm_worker, "trl": trl_worker, "broadcast": broadcast_worker}[
+            args.worker](json.loads(Path(args.spec).read_text()))))
     if args.warmup_steps >= min(args.steps, args.sync_steps):
         sys.exit("bench error: --warmup_steps leaves no timed steps")
     if args.repeats <= UNTIMED_REPEATS:

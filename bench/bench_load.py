@@ -157,4 +157,8 @@ def main(cfg: LoadBench) -> None:
 
 if __name__ == "__main__":
     args = tyro.cli(LoadBench)
-    worker(args) if args.worker else main(args)
+    if args.worker:
+        from forge_core.dist import run_main
+        run_main(lambda: worker(args))
+    else:
+        main(args)

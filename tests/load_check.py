@@ -14,6 +14,7 @@ from safetensors import safe_open
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
+from forge_core.dist import run_main
 from forge_core.model import FSDPConfig, ModelConfig, shard
 from forge_core.weights import build_model, export_hf, hf_tensors
 
@@ -71,4 +72,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    run_main(lambda: main(Path(sys.argv[1])))

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
+from forge_core.dist import run_main
 from forge_core.model import FSDPConfig, ModelConfig
 from forge_core.moe import Routers
 from forge_core.weights import build_model
@@ -88,4 +89,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    run_main(lambda: main(Path(sys.argv[1])))

