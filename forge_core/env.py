@@ -39,10 +39,11 @@ Environments run on the policy ranks, beside their engine: every turn needs its 
 generation, so the engine waits for them wherever they are computed; here they cost no collective (the ranks of
 a tensor-parallel engine play the same episodes: the first runs the environments and broadcasts their answers).
 Steps run on a `CallPool`, `env.workers` at a time, so slow tools (a sandboxed subprocess releases the GIL)
-overlap. `env.schedule` says when: `turns` (default), after each batched `generate` of a turn; `continuous`, as each
-episode's turn is sampled, its next turn joining the engine as soon as the answer is back, as the next chunk of the
-episode's vLLM session, which keeps its KV cache across turns (forge_core/sessions.py; docs/design.md: it wins where
-episodes have many turns or slow environment calls, not on one-turn tool calls).
+overlap. `env.schedule` says when: `turns` (default), after each lock-step turn of the episodes still running;
+`continuous`, as each episode's turn is sampled, its next turn joining the engine as soon as the answer is back. In
+both an episode's next turn is the next chunk of its vLLM session, which keeps its KV cache across turns
+(forge_core/sessions.py; docs/design.md: continuous wins where environment calls are slow, lock-step where they are
+instant).
 Optional attributes an environment may count, summed into the step's metrics: `tool_errors`, `tool_timeouts`.
 """
 
@@ -85,7 +86,7 @@ class EnvConfig:
     workers: PositiveInt = 16                   # environment steps of one turn that run at once
     timeout_s: PositiveFloat = 60.0             # a reset or step not back this long after it started ends its episode
     args: dict = field(default_factory=dict)    # keyword arguments of the environment's class (a game's name)
-    schedule: Literal["turns", "continuous"] = "turns"  # turns: one batched generate a turn; continuous: an
+    schedule: Literal["turns", "continuous"] = "turns"  # turns: the episodes' turns in lock-step; continuous: an
                                                 # episode's next turn joins the engine once its observation is back
 
 
@@ -170,28 +171,37 @@ def _play(engine, tokenizer, env_class, rows: list[dict], row_ids: list[int], sa
 
 def _turns(engine, tokenizer, episodes: list[Episode], stops: list[str], sampling: SamplingConfig, cfg: EnvConfig,
            seed: int, greedy: bool, group: dist.ProcessGroup | None, spared: frozenset[int]) -> tuple[float, float]:
-    """Lock-step turns: one batched `generate` over the episodes still running, then their environment steps. The
-    seconds the engine waited for environment calls, and the seconds they ran: the same here."""
+    """Lock-step turns: the episodes still running sample a turn together, then their environment steps run. An
+    episode's turns continue its vLLM session, whose KV cache holds its context (forge_core/sessions.py), wherever
+    the engine holds them all. The seconds the engine waited for environment calls, and the seconds they ran: the
+    same here."""
     tool_seconds = 0.0
     limit, end = max_model_len(engine), turn_end(tokenizer)
-    for turn in range(cfg.max_turns):
-        running, params = [], []
-        for episode in episodes:
-            turn_params = _turn_params(episode, sampling, cfg, greedy, stops, end.ids, limit) \
-                if episode.end_reason is None else None
-            if turn_params is not None:
-                running.append(episode)
-                params.append(turn_params)
-        if not running:
-            break
-        with seeded_draws(seed + turn):
-            outputs = engine.generate([{"prompt_token_ids": e.context()} for e in running], params, use_tqdm=False)
-        actions = [take_turn(e, out.outputs[0], stops) for e, out in zip(running, outputs)]
-        t0 = time.perf_counter()
-        results = on_first(group, lambda: bounded_calls(_step, running, [text for text, _ in actions], cfg, spared))
-        tool_seconds += time.perf_counter() - t0
-        for episode, result, (_, ending) in zip(running, results, actions):
-            _answer(episode, result, ending, turn, tokenizer, end.text, cfg)
+    sessions = Sessions(engine.llm_engine)
+    try:
+        for turn in range(cfg.max_turns):
+            running, params = [], []
+            for episode in episodes:
+                turn_params = _turn_params(episode, sampling, cfg, greedy, stops, end.ids, limit) \
+                    if episode.end_reason is None else None
+                if turn_params is not None:
+                    running.append(episode)
+                    params.append(turn_params)
+            if not running:
+                break
+            keys = [id(e) for e in running]
+            with seeded_draws(seed + turn):
+                samples = sessions.turns(keys, [e.context() for e in running], params)
+            actions = [take_turn(e, sample, stops) for e, sample in zip(running, samples)]
+            t0 = time.perf_counter()
+            results = on_first(group, lambda: bounded_calls(_step, running, [text for text, _ in actions], cfg, spared))
+            tool_seconds += time.perf_counter() - t0
+            for key, episode, result, (_, ending) in zip(keys, running, results, actions):
+                _answer(episode, result, ending, turn, tokenizer, end.text, cfg)
+                if episode.end_reason is not None:
+                    sessions.end(key)
+    finally:
+        sessions.close()
     return tool_seconds, tool_seconds
 
 
@@ -203,18 +213,22 @@ def _continuous(engine, tokenizer, episodes: list[Episode], stops: list[str], sa
     session (its KV cache kept; a new one after a stop string). Each session draws from a generator of its own
     (seeded by the episode and the turn that opened it), so what an episode samples does not depend on which others
     share its engine steps. Under tensor parallelism the first rank runs the environments and sends,
-    before every engine step, the answers that came back: every rank adds the same requests in the same order. The
-    seconds the engine stood idle waiting for environment calls, and the seconds any ran (on the first rank)."""
+    before every engine step, the answers that came back: every rank adds the same requests in the same order. At
+    most as many sessions as the engine holds at their longest are open at once (`Sessions.capacity`); the other
+    episodes' turns wait for one to end. The seconds the engine stood idle waiting for environment calls, and the
+    seconds any ran (on the first rank)."""
     limit, end = max_model_len(engine), turn_end(tokenizer)
     calls = CallPool(cfg.workers, cfg.timeout_s) if group is None or dist.get_rank(group) == 0 else None
     sessions = Sessions(engine.llm_engine)
+    size = sessions.capacity(max(len(e.prompt_ids) for e in episodes) + cfg.max_episode_tokens)
     endings: dict[int, str] = {}
     joining = [i for i, e in enumerate(episodes) if e.end_reason is None]
     waited = 0.0
     try:
         with seeded_draws(seed):
             while any(e.end_reason is None for e in episodes):
-                idle = not joining and not sessions.running
+                idle = not sessions.running and not any(i in sessions.open or len(sessions.open) < size
+                                                        for i in joining)
                 t0 = time.perf_counter()
                 answers = on_first(group, lambda: _answers(calls, idle, spared))
                 waited += (time.perf_counter() - t0) if idle else 0.0
@@ -224,7 +238,11 @@ def _continuous(engine, tokenizer, episodes: list[Episode], stops: list[str], sa
                         joining.append(i)
                     else:
                         sessions.end(i)
-                for i in joining:
+                waiting, joining = joining, []
+                for i in waiting:
+                    if i not in sessions.open and len(sessions.open) >= size:
+                        joining.append(i)       # its turn waits for an episode to end and free a session
+                        continue
                     e = episodes[i]
                     params = _turn_params(e, sampling, cfg, greedy, stops, end.ids, limit,
                                           seed=None if greedy else hash((seed, i, e.turns)) % 2**31)
@@ -232,7 +250,6 @@ def _continuous(engine, tokenizer, episodes: list[Episode], stops: list[str], sa
                         sessions.send(i, e.context(), params)
                     else:
                         sessions.end(i)
-                joining = []
                 if not sessions.running:
                     continue
                 for i, turn in sessions.step():

@@ -50,6 +50,7 @@ from .env import EnvConfig, Episode, bounded_calls, env_error, observation_ids, 
 from .model import turn_end
 from .processes import descendants
 from .rollout import Rollout, cat_rollouts
+from .sessions import Sessions
 from .snapshots import SnapshotPool
 
 __all__ = ["GameConfig", "is_game", "check_game", "opponents_of", "deal", "game_sampler", "play_games", "RAE",
@@ -236,8 +237,9 @@ def play_games(engines: dict, tokenizer, game_class, rows: list[dict], row_ids: 
                greedy: bool = False) -> Rollout:
     """G games per row (1 when greedy) against the row's opponent (`self`: the policy in every seat), the policy
     in the row's seat. Every round, each game's seat to move plays: the engines (`engines["policy"]`, and
-    `engines["frozen"]` where it plays) one batched `generate` each, the games' moves in parallel threads. The
-    Rollout holds the trained seats' trajectories, row by row, seat by seat, G games each (the GRPO groups)."""
+    `engines["frozen"]` where it plays) one lock-step turn each (each seat's vLLM session continued), the games'
+    moves in parallel threads. The Rollout holds the trained seats' trajectories, row by row, seat by seat, G games
+    each (the GRPO groups)."""
     with subreaping():
         return _play(engines, tokenizer, game_class, rows, row_ids, opponents, seats, sampling, env_cfg, cfg, seed,
                      greedy)
@@ -265,19 +267,30 @@ def _play(engines, tokenizer, game_class, rows, row_ids, opponents, seats, sampl
     views = bounded_calls(lambda game, _: _advanced(game, None, cfg), games, [None] * len(games), env_cfg, spared)
     env_seconds = time.perf_counter() - env_seconds
     running = games
-    for turn in range(env_cfg.max_turns * max(len(g.players) for g in games)):
-        running = [g for g, view in zip(running, views) if _give_view(g, view, tokenizer, env_cfg, limit, end.text)]
-        if not running:
-            break
-        actions = {}
-        for player in ENGINE_PLAYERS:
-            movers = [g for g in running if g.players[g.to_move] == player]
-            if movers:
-                actions |= _moves(engines[player], movers, sampling, env_cfg, greedy, seed + turn, limit, end.ids)
-        t0 = time.perf_counter()
-        views = bounded_calls(lambda game, action: _advanced(game, action, cfg), running,
-                              [actions[id(g)] for g in running], env_cfg, spared)
-        env_seconds += time.perf_counter() - t0
+    sessions = {player: Sessions(engines[player].llm_engine) for player in ENGINE_PLAYERS if engines.get(player)}
+    try:
+        for turn in range(env_cfg.max_turns * max(len(g.players) for g in games)):
+            playing = [g for g, view in zip(running, views) if _give_view(g, view, tokenizer, env_cfg, limit, end.text)]
+            still = {id(g) for g in playing}
+            for game in (g for g in running if id(g) not in still):      # over: its seats' sessions freed
+                for seat, episode in game.seats.items():
+                    sessions[game.players[seat]].end(id(episode))
+            running = playing
+            if not running:
+                break
+            actions = {}
+            for player in ENGINE_PLAYERS:
+                movers = [g for g in running if g.players[g.to_move] == player]
+                if movers:
+                    actions |= _moves(sessions[player], movers, sampling, env_cfg, greedy, seed + turn, limit,
+                                      end.ids)
+            t0 = time.perf_counter()
+            views = bounded_calls(lambda game, action: _advanced(game, action, cfg), running,
+                                  [actions[id(g)] for g in running], env_cfg, spared)
+            env_seconds += time.perf_counter() - t0
+    finally:
+        for engine_sessions in sessions.values():
+            engine_sessions.close()
     for game in games:
         if game.end_reason is None:
             game.end("max_turns", [0.0] * len(game.players))
@@ -314,17 +327,18 @@ def _give_view(game: _Game, view, tokenizer, env_cfg: EnvConfig, limit: int, end
     return True
 
 
-def _moves(engine, movers: list[_Game], sampling: SamplingConfig, env_cfg: EnvConfig, greedy: bool, seed: int,
-           limit: int, end_ids) -> dict[int, str]:
-    """One batched generate for the movers' seats on `engine`: each game's move text, by the game's id."""
+def _moves(sessions: Sessions, movers: list[_Game], sampling: SamplingConfig, env_cfg: EnvConfig, greedy: bool,
+           seed: int, limit: int, end_ids) -> dict[int, str]:
+    """One lock-step turn for the movers' seats on an engine, each seat's session continued (its KV cache kept):
+    each game's move text, by the game's id."""
     episodes = [g.seats[g.to_move] for g in movers]
     params = [sampling_params(sampling, greedy, n=1, stop_token_ids=list(end_ids),
                               max_tokens=min(sampling.max_tokens, env_cfg.max_episode_tokens - len(e.ids),
                                              limit - len(e.context())))
               for e in episodes]
     with seeded_draws(seed):
-        outputs = engine.generate([{"prompt_token_ids": e.context()} for e in episodes], params, use_tqdm=False)
-    return {id(g): take_turn(e, out.outputs[0], [])[0] for g, e, out in zip(movers, episodes, outputs)}
+        turns = sessions.turns([id(e) for e in episodes], [e.context() for e in episodes], params)
+    return {id(g): take_turn(e, turn, [])[0] for g, e, turn in zip(movers, episodes, turns)}
 
 
 def game_outcomes(returns: Tensor) -> dict[str, Tensor]:

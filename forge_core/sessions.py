@@ -47,7 +47,8 @@ class _Session:
 
 
 class Sessions:
-    """One session per key (an episode): `send` its context each turn, `step` the engine, `end` it when done."""
+    """One session per key (an episode): `send` its context each turn, `step` the engine, `end` it when done; or a
+    lock-step turn of many: `turns`."""
 
     def __init__(self, llm_engine):
         self.engine = llm_engine
@@ -55,17 +56,20 @@ class Sessions:
         self.open: dict[int, _Session] = {}
         self.running: set[int] = set()          # the keys whose turn the engine is sampling
 
-    def send(self, key: int, context: list[int], params: "SamplingParams") -> None:
+    def send(self, key: int, context: list[int], params: "SamplingParams", keep: bool = True) -> None:
         """The episode's next turn: the tokens of `context` its session does not hold yet (all of them for a new
         session: the first turn, or the one after a stop string). A session's later chunks are copies of its first
         request (vLLM's input processing of a chunk cost more than its engine step): within an episode the turns'
-        sampling params differ only in `max_tokens`."""
+        sampling params differ only in `max_tokens`. `keep` False: a plain request on the whole context instead,
+        ended with its turn (its KV blocks go back to the prefix cache)."""
         from vllm.sampling_params import RequestOutputKind
+        if not keep:
+            self.end(key)
         session = self.open.get(key)
         if session is None:
             params.output_kind = RequestOutputKind.DELTA
             request = self.engine.input_processor.process_inputs(
-                str(key), {"prompt_token_ids": list(context)}, params, supported_tasks=self.tasks, resumable=True)
+                str(key), {"prompt_token_ids": list(context)}, params, supported_tasks=self.tasks, resumable=keep)
             self.engine.input_processor.assign_request_id(request)
             session = self.open[key] = _Session(request, 0, Turn())
         else:
@@ -98,9 +102,42 @@ class Sessions:
             self.running.discard(key)
             if isinstance(delta.stop_reason, str):     # a stop string: the engine core would go on sampling
                 self.end(key)
+            elif out.finished:                          # a request not kept
+                del self.open[key]
             else:
                 session.held += len(turn.token_ids) - 1
         return ended
+
+    def turns(self, keys: list[int], contexts: list[list[int]], params: list["SamplingParams"]) -> list[Turn]:
+        """One lock-step turn: each key's next turn sent, in order, and the engine stepped until all of them ended;
+        their turns in the order of `keys`. The sessions are kept where the engine can hold them all, with the
+        turn's tokens, at once (a paused session keeps its slot of the scheduler's running requests and its KV
+        blocks: with one too many, a turn would wait for a slot forever); else the turn's requests are plain ones."""
+        turn = set(keys)
+        others = [session.held for key, session in self.open.items() if key not in turn]
+        keep = self.holds([len(c) + p.max_tokens for c, p in zip(contexts, params)] + others)
+        for key, context, turn_params in zip(keys, contexts, params):
+            self.send(key, context, turn_params, keep)
+        ended: dict[int, Turn] = {}
+        while self.running:
+            ended.update(self.step())
+        return [ended[key] for key in keys]
+
+    def holds(self, tokens: list[int]) -> bool:
+        """Whether the engine holds sessions of these lengths at once: a slot each, and their KV blocks."""
+        slots, blocks, block = self._room()
+        return len(tokens) <= slots and sum(-(-n // block) for n in tokens) <= blocks
+
+    def capacity(self, tokens: int) -> int:
+        """How many sessions of up to `tokens` tokens each the engine holds at once."""
+        slots, blocks, block = self._room()
+        return max(1, min(slots, blocks // -(-tokens // block)))
+
+    def _room(self) -> tuple[int, int, int]:
+        """The scheduler's running requests, the KV cache's blocks and a block's tokens."""
+        config = self.engine.vllm_config
+        scheduler, cache = config.scheduler_config, config.cache_config
+        return scheduler.max_num_active_seqs or scheduler.max_num_seqs, cache.num_gpu_blocks, cache.block_size
 
     def end(self, key: int) -> None:
         """Free the episode's session (its KV blocks and its slot); a later `send` opens a new one."""

@@ -1,6 +1,7 @@
 """A torchrun program (1 rank) for tests/test_agentic.py: the same episodes played in lock-step turns and as
 continuous episodes (`env.schedule`) on the tiny model's real engine, 16 prompts; prints one JSON line: whether the
-greedy episodes of each schedule are the same (token ids, masks, end reasons, returns, engine logprobs within 1e-5),
+greedy episodes of each schedule (their turns continuing vLLM sessions) are those of lock-step turns sent as fresh
+requests on the whole context (token ids, masks, end reasons, returns, engine logprobs within 1e-5),
 for Chatter and for Tortoise (whose answers come back out of order), how many turns of its four continuous rollouts went to the engine as
 the next chunk of their episode's session (its KV cache kept) and how many opened one (first turns, and turns after
 a stop string), and whether sampled continuous episodes are the same again with the same seed and differ with another.
@@ -32,9 +33,9 @@ def counted_sends() -> dict[str, int]:
     """Counts `Sessions.send` calls that continue a session and that open one."""
     counts, send = {"resumed": 0, "opened": 0}, Sessions.send
 
-    def counting(self, key, context, params):
-        counts["resumed" if key in self.open else "opened"] += 1
-        return send(self, key, context, params)
+    def counting(self, key, context, params, keep=True):
+        counts["resumed" if key in self.open and keep else "opened"] += 1
+        return send(self, key, context, params, keep)
     Sessions.send = counting
     return counts
 
@@ -43,7 +44,10 @@ def main(model_dir: str) -> None:
     sends = counted_sends()
     init_roles(Layout(policy=1, reference=0, reward=0))
     tokenizer = load_tokenizer(ModelConfig(path=model_dir))
-    engine = build_engine(model_dir, EngineConfig(), seed=0, vllm_args=engine_args(EnvConfig(schedule="continuous")))
+    # 32 sequences at once: the 16 greedy episodes fit as sessions, the 64 sampled ones do not (lock-step turns go
+    # as fresh requests, continuous episodes wait for a session to end)
+    engine = build_engine(model_dir, EngineConfig(max_num_seqs=32), seed=0,
+                          vllm_args=engine_args(EnvConfig(schedule="continuous")))
     rows = [{"prompt": f"{n}+{n}="} for n in range(16)]
     sampling = SamplingConfig(num_generations=4, max_tokens=8)
     result = {}
@@ -54,15 +58,26 @@ def main(model_dir: str) -> None:
 
         def play(cfg: EnvConfig, seed: int, greedy: bool):
             return run_episodes(engine, tokenizer, env_class, rows, list(range(16)), sampling, cfg, seed, greedy)
+        holds, Sessions.holds = Sessions.holds, lambda self, tokens: False
+        plain = play(turns, 0, True)            # every turn a fresh request on the whole context
+        Sessions.holds = holds
+        sends.update(resumed=0, opened=0)
         lockstep = play(turns, 0, True)
+        lockstep_resumed = sends["resumed"]
         sends.update(resumed=0, opened=0)
         free = play(continuous, 0, True)
         sampled, again, other = (play(continuous, seed, False) for seed in (1, 1, 2))
-        result[name] = {"greedy_same": same(lockstep, free), "turns": lockstep.episode["turns"].mean().item(),
+        continuous_sends = dict(sends)
+        crowded = play(turns, 1, False)
+        result[name] = {"greedy_same": same(plain, lockstep) and same(plain, free),
+                        "turns": lockstep.episode["turns"].mean().item(),
                         "env_tokens": lockstep.episode["env_tokens"].sum().item(),
                         "sampled_again_same": same(sampled, again), "other_seed_same": same(sampled, other),
-                        "sampled_turns": sampled.episode["turns"].mean().item(), "tool_calls":
-                        sum(r.episode["tool_calls"].sum().item() for r in (free, sampled, again, other)), **sends}
+                        "sampled_turns": sampled.episode["turns"].mean().item(), "lockstep_resumed": lockstep_resumed,
+                        "crowded_turns": crowded.episode["turns"].mean().item(),
+                        "crowded_resumed": sends["resumed"] - continuous_sends["resumed"],
+                        "tool_calls": sum(r.episode["tool_calls"].sum().item() for r in (free, sampled, again, other)),
+                        **continuous_sends}
     print(json.dumps(result), flush=True)
 
 

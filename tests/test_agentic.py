@@ -143,19 +143,23 @@ def test_what_an_environment_starts_ends_with_its_call(episodes):
 
 
 def test_continuous_episodes_are_the_lockstep_ones_and_reproducible(tiny):
-    """`env.schedule: continuous` (an episode's next turn joins the engine as soon as its observation is back) plays
-    at temperature 0 exactly the episodes of lock-step turns, for Chatter and for Tortoise, whose answers come back
-    out of order (0.2 s late for some episodes and turns): no episode gets another's observation. Turns after the first
-    go to the engine as the next chunk of the episode's vLLM session, which keeps its KV cache, except after a tool
-    call's stop string (a new session). Sampled, each episode draws from its own generator, so the same seed plays the
-    same episodes whatever the timing."""
+    """Lock-step turns and `env.schedule: continuous` (an episode's next turn joins the engine as soon as its
+    observation is back) play at temperature 0 exactly the episodes of lock-step turns sent as fresh requests on the
+    whole context, for Chatter and for Tortoise, whose answers come back out of order (0.2 s late for some episodes
+    and turns): no episode gets another's observation. In both schedules turns after the first go to the engine as
+    the next chunk of the episode's vLLM session, which keeps its KV cache, except after a tool call's stop string (a
+    new session). Sampled, each episode draws from its own generator, so the same seed plays the
+    same episodes whatever the timing. 64 sampled episodes on an engine of 32 sequences: continuous ones wait for a
+    session, lock-step turns go as fresh requests (a 33rd paused session would wait for a slot forever)."""
     proc = run_script("tests/continuous_check.py", [str(tiny / "init")], nproc=1)
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
     for name, out in result.items():
         assert out["greedy_same"] and out["sampled_again_same"] and not out["other_seed_same"], (name, out)
         assert out["turns"] > 1.5 and out["env_tokens"] > 0 and out["sampled_turns"] > 1.5, (name, out)
+        # 64 lock-step episodes on an engine of 32 sequences: every turn a fresh request
+        assert out["crowded_turns"] > 1.5 and out["crowded_resumed"] == 0, (name, out)
         # both kinds of turn: a session's next chunk (KV kept) and, after a tool call's stop string, a new session
-        assert out["tool_calls"] > 0 and out["resumed"] > 0, (name, out)
+        assert out["tool_calls"] > 0 and out["resumed"] > 0 and out["lockstep_resumed"] > 0, (name, out)
         first_turns = 16 + 3 * 64       # 16 rows: greedy once, sampled (4 a row) three times
         assert first_turns <= out["opened"] <= first_turns + out["tool_calls"], (name, out)
 
