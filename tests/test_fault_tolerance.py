@@ -96,9 +96,12 @@ def test_grpo_survives_kill9_of_any_rank(tiny, three_role_run, tmp_path):
                          "the moment in start-up")
             else:
                 wait_for(lambda: logged_steps(out) > base, proc, "a logged step")
-                startup = startup or time.monotonic() - fresh
+                first = time.monotonic()
+                startup = startup or first - fresh
                 wait_for(lambda: logged_steps(out) >= base + when, proc, f"{when} more logged steps")
-                time.sleep(rng.uniform(0.0, 0.5))
+                # a moment inside the next step: a fixed 0.5 s was 5 steps on a Zen 5, and the last kill then
+                # missed a run that had already ended
+                time.sleep(rng.uniform(0.0, 1.0) * (time.monotonic() - first) / max(when - 1, 1))
             os.kill(pids[victim], signal.SIGKILL)
             killed.append(pids[victim])
         assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
