@@ -70,8 +70,8 @@ from .processes import descendants, end_descendants_but, subreaping
 from .rollout import Rollout, pad_left, pad_right
 from .sessions import Sessions
 
-__all__ = ["EnvConfig", "END_REASONS", "engine_args", "load_env", "stop_strings", "run_episodes", "Episode",
-           "take_turn", "bounded_calls", "env_error", "observation_ids", "to_rollout", "subreaping"]
+__all__ = ["EnvConfig", "END_REASONS", "engine_args", "load_env", "stop_strings", "engine_stops", "run_episodes",
+           "Episode", "take_turn", "bounded_calls", "env_error", "observation_ids", "to_rollout", "subreaping"]
 
 END_REASONS = ("done", "max_turns", "budget", "env_error")
 TOOL_COUNTS = ("tool_errors", "tool_timeouts")          # optional counters of an environment instance
@@ -114,6 +114,15 @@ def stop_strings(env_class) -> list[str]:
     return list(getattr(env_class, "stop", []))
 
 
+def engine_stops(tokenizer, strings: list[str]) -> list[str | int]:
+    """The stops the engine is given: a stop string that the tokenizer writes as one added token (Qwen's
+    `</tool_call>`, the tiny tokenizer's `</calc>`) as that token's id, the others as strings. The engine core stops
+    a session at a token and keeps it (the next turn continues its KV cache); a stop string is found by the output
+    processor, which ends the session. A model that spells such a string out of other tokens does not stop there."""
+    added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if not t.special}
+    return [added.get(s, s) for s in strings]
+
+
 @dataclass
 class Episode:
     env: object
@@ -145,7 +154,7 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
 def _play(engine, tokenizer, env_class, rows: list[dict], row_ids: list[int], sampling: SamplingConfig,
           cfg: EnvConfig, seed: int, greedy: bool, group: dist.ProcessGroup | None) -> Rollout:
     G = 1 if greedy else sampling.num_generations
-    stops = stop_strings(env_class)
+    stops = engine_stops(tokenizer, stop_strings(env_class))
     episodes = [Episode(env_class(**cfg.args), []) for _ in rows for _ in range(G)]
     expanded_rows = [row for row in rows for _ in range(G)]
     spared = frozenset(descendants(os.getpid()))        # what ran before the episodes (reward workers)
@@ -169,8 +178,9 @@ def _play(engine, tokenizer, env_class, rows: list[dict], row_ids: list[int], sa
     return rollout
 
 
-def _turns(engine, tokenizer, episodes: list[Episode], stops: list[str], sampling: SamplingConfig, cfg: EnvConfig,
-           seed: int, greedy: bool, group: dist.ProcessGroup | None, spared: frozenset[int]) -> tuple[float, float]:
+def _turns(engine, tokenizer, episodes: list[Episode], stops: list[str | int], sampling: SamplingConfig,
+           cfg: EnvConfig, seed: int, greedy: bool, group: dist.ProcessGroup | None,
+           spared: frozenset[int]) -> tuple[float, float]:
     """Lock-step turns: the episodes still running sample a turn together, then their environment steps run. An
     episode's turns continue its vLLM session, whose KV cache holds its context (forge_core/sessions.py), wherever
     the engine holds them all. The seconds the engine waited for environment calls, and the seconds they ran: the
@@ -205,7 +215,7 @@ def _turns(engine, tokenizer, episodes: list[Episode], stops: list[str], samplin
     return tool_seconds, tool_seconds
 
 
-def _continuous(engine, tokenizer, episodes: list[Episode], stops: list[str], sampling: SamplingConfig,
+def _continuous(engine, tokenizer, episodes: list[Episode], stops: list[str | int], sampling: SamplingConfig,
                 cfg: EnvConfig, seed: int, greedy: bool, group: dist.ProcessGroup | None,
                 spared: frozenset[int]) -> tuple[float, float]:
     """Continuous episodes: the engine is stepped by hand, an episode's environment step starts as soon as its turn
@@ -266,16 +276,17 @@ def _continuous(engine, tokenizer, episodes: list[Episode], stops: list[str], sa
     return waited, calls.busy_s
 
 
-def _turn_params(episode: Episode, sampling: SamplingConfig, cfg: EnvConfig, greedy: bool, stops: list[str],
-                 end_ids: tuple[int, ...], limit: int, seed: int | None = None):
+def _turn_params(episode: Episode, sampling: SamplingConfig, cfg: EnvConfig, greedy: bool,
+                 stops: list[str | int], end_ids: tuple[int, ...], limit: int, seed: int | None = None):
     """The sampling params of the episode's next turn, as many tokens as its budget and the engine's context leave;
     None when its context is one the engine cannot take (a long first message): it ends as `budget`."""
     if len(episode.context()) >= limit:
         episode.end_reason = "budget"
         return None
     room = min(sampling.max_tokens, cfg.max_episode_tokens - len(episode.ids), limit - len(episode.context()))
-    return sampling_params(sampling, greedy, n=1, stop=stops, include_stop_str_in_output=True,
-                           stop_token_ids=list(end_ids), max_tokens=room, seed=seed)
+    return sampling_params(sampling, greedy, n=1, stop=[s for s in stops if isinstance(s, str)],
+                           include_stop_str_in_output=True, max_tokens=room, seed=seed,
+                           stop_token_ids=list(end_ids) + [s for s in stops if isinstance(s, int)])
 
 
 def _answers(calls: CallPool, wait: bool, spared: frozenset[int]) -> list[tuple[int, object]]:
@@ -298,11 +309,12 @@ def on_first(group: dist.ProcessGroup | None, compute: Callable[[], object]):
     return result[0]
 
 
-def take_turn(episode: Episode, sample, stops: list[str]) -> tuple[str, str]:
+def take_turn(episode: Episode, sample, stops: list[str | int]) -> tuple[str, str]:
     """Append the model's turn as generated; the text the environment sees, and how the turn ended: "tool" (at a
-    stop string), "end" (the template's end of turn, or EOS) or "cut" (by max_tokens). The text is vLLM's, which
-    ends at the stop string where the last sampled token runs past it (SmolLM2 samples `><` after `</python`: the
-    tokens keep the `<`, the environment sees `...</python>`)."""
+    stop, `engine_stops`: a string, or a token whose text ends the turn's), "end" (the template's end of turn, or
+    EOS) or "cut" (by max_tokens). The text is vLLM's, which ends at the stop string where the last sampled token
+    runs past it (SmolLM2 samples `><` after `</python`: the tokens keep the `<`, the environment sees
+    `...</python>`)."""
     ids = list(sample.token_ids)
     episode.ids += ids
     episode.model_mask += [1] * len(ids)

@@ -207,6 +207,14 @@ def test_calculator_pipeline_learns_to_use_the_tool(tmp_path):
     metrics = read_metrics(tmp_path / "grpo")
     assert metrics[20]["episode/tool_calls"] > metrics[1]["episode/tool_calls"]
     assert metrics[20]["episode/turns"] > 1.5
+    # `</calc>` is one added token, so the engine stops at its id ("1" stays a stop string) and a session goes on
+    # after a tool call with its KV cache: the trainer's logprobs of every turn on the whole context check it
+    from forge_core.env import engine_stops
+    from forge_core.model import ModelConfig, load_tokenizer
+    tokenizer = load_tokenizer(ModelConfig(path=str(tmp_path / "artifacts" / "init")))
+    assert engine_stops(tokenizer, ["</calc>", "1"]) == [tokenizer.convert_tokens_to_ids("</calc>"), "1"]
+    assert all(m["loss/logprob_gap"] < 1e-5 for m in metrics.values()), [m["loss/logprob_gap"] for m in metrics.values()]
+
 
 
 def test_the_closing_lines_report_tool_use_only_for_environments_with_tools():
