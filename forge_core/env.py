@@ -154,7 +154,6 @@ def run_episodes(engine, tokenizer, env_class, rows: list[dict], row_ids: list[i
 def _play(engine, tokenizer, env_class, rows: list[dict], row_ids: list[int], sampling: SamplingConfig,
           cfg: EnvConfig, seed: int, greedy: bool, group: dist.ProcessGroup | None) -> Rollout:
     G = 1 if greedy else sampling.num_generations
-    stops = engine_stops(tokenizer, stop_strings(env_class))
     episodes = [Episode(env_class(**cfg.args), []) for _ in rows for _ in range(G)]
     expanded_rows = [row for row in rows for _ in range(G)]
     spared = frozenset(descendants(os.getpid()))        # what ran before the episodes (reward workers)
@@ -169,6 +168,7 @@ def _play(engine, tokenizer, env_class, rows: list[dict], row_ids: list[int], sa
         episode.prompt_ids = prompts[text]
         if first is None:
             episode.end_reason = "env_error"
+    stops = engine_stops(tokenizer, stop_strings(env_class))
     play = _continuous if cfg.schedule == "continuous" else _turns
     waited, busy = play(engine, tokenizer, episodes, stops, sampling, cfg, seed, greedy, group, spared)
     tool_counts = on_first(group, lambda: [[getattr(e.env, k, 0) for e in episodes] for k in TOOL_COUNTS])
