@@ -2,14 +2,14 @@
 MLP width (Megatron's layout), FSDP2 shards over the data-parallel ranks, the 2-D mesh ("dp", "tp") with each
 tensor-parallel block of consecutive ranks, inside a node, where the per-layer all-reduces are cheap.
 
-The plan is torchtitan's, by the HF module names: q/k/v and gate/up `ColwiseParallel`, o/down `RowwiseParallel` (an
-all-reduce after each), the embedding `RowwiseParallel` over the vocabulary, the head `ColwiseParallel` with its
+The plan is torchtitan's, by the HF module names: q/k/v and gate/up `ColwiseParallel`, o/down `RowwiseParallel` (a
+reduce-scatter after each), the embedding `RowwiseParallel` over the vocabulary, the head `ColwiseParallel` with its
 logits left split over the vocabulary inside `vocab_parallel` (loss parallel: the loss code's `chosen_logprobs` joins
 each row's softmax by all-reduces of [rows] numbers, so no rank holds whole logits) and gathered whole outside it (HF
 generate), Qwen3's per-head q/k norms as replicated parameters over the local heads (their gradients then sum over
-the ranks: left as plain tensors each rank's held only its heads'). TP is applied before FSDP (torchtitan's order).
-A Mixture-of-Experts model's experts and routers stay whole on each tensor-parallel rank and are FSDP-sharded over dp
-only.
+the ranks: left as plain tensors each rank's held only its heads'), and sequence parallelism between the layers
+(`parallelize`). TP is applied before FSDP (torchtitan's order). A Mixture-of-Experts model's experts and routers
+stay whole on each tensor-parallel rank and are FSDP-sharded over dp only.
 """
 
 from contextlib import contextmanager
@@ -19,12 +19,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
 from .config import ForgeError
 
 __all__ = ["training_mesh", "check_tensor_parallel", "parallelize", "vocab_parallel", "flat_group"]
+
+SEQUENCE = Shard(1)         # the residual stream between the layers: each rank holds its share of the positions
 
 
 def training_mesh(ranks: list[int], device_type: str, tp: int) -> DeviceMesh:
@@ -57,23 +60,46 @@ def check_tensor_parallel(tp: int, shard: bool, lora: bool, model_config) -> Non
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Apply the plan to the HF model (a causal LM with `model.layers`) over the tensor-parallel `mesh`."""
+    """Apply the plan to the HF model (a causal LM with `model.layers`) over the tensor-parallel `mesh`.
+
+    Sequence parallelism between the layers: the residual stream is split over the sequence (`Shard(1)`), each
+    layer's norms run on their rank's positions, attention and the MLP gather the whole sequence at their input and
+    their output projections reduce-scatter it back (the same bytes as TP's all-reduce, activations at 1/tp). The
+    embedding's output stays whole, so HF's model computes its masks and rotary angles from the whole sequence; the
+    first layer cuts it, and the final norm gathers it again (HF picks the logits' positions from its output)."""
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
-    parallelize_module(hf.model, mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate())})
-    for layer in hf.model.layers:
-        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel()}
-        if hasattr(layer.self_attn, "q_norm"):      # Qwen3: normalizes each head, over this rank's heads
-            norm = SequenceParallel(sequence_dim=2, use_local_output=True)
-            plan |= {"self_attn.q_norm": norm, "self_attn.k_norm": norm}
-        if not hasattr(layer.mlp, "experts"):
-            plan |= {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                     "mlp.down_proj": RowwiseParallel()}
-        parallelize_module(layer, mesh, plan)
+    layers = hf.model.layers
+    parallelize_module(hf.model, mesh, {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "norm": PrepareModuleInput(input_layouts=(SEQUENCE,), desired_input_layouts=(Replicate(),),
+                                   use_local_output=True)})
+    parallelize_module(layers[0], mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                           desired_input_layouts=(SEQUENCE,)))
+    for layer in layers:
+        parallelize_module(layer, mesh, _layer_plan(layer))
     parallelize_module(hf, mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
     hf.lm_head.register_forward_hook(_whole_unless_vocab_parallel)
     if hf.config.get_text_config().tie_word_embeddings:     # both split the vocabulary: one tensor again
         hf.lm_head.weight = hf.model.embed_tokens.weight
+
+
+def _layer_plan(layer: nn.Module) -> dict[str, ParallelStyle]:
+    plan = {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": SEQUENCE},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=SEQUENCE,
+                                                                                        use_local_output=False)}
+    if hasattr(layer.self_attn, "q_norm"):      # Qwen3: normalizes each head, over this rank's heads
+        norm = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan |= {"self_attn.q_norm": norm, "self_attn.k_norm": norm}
+    if hasattr(layer.mlp, "experts"):           # experts and router whole on each rank: all positions, then its own
+        return plan | {"mlp": PrepareModuleInputOutput(
+            input_layouts=(SEQUENCE,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(SEQUENCE,), use_local_output=False)}
+    return plan | {"mlp": PrepareModuleInput(input_layouts=(SEQUENCE,), desired_input_layouts=(Replicate(),)),
+                   "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                   "mlp.down_proj": RowwiseParallel(output_layouts=SEQUENCE, use_local_output=False)}
 
 
 _split_logits = False

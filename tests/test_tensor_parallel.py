@@ -122,3 +122,14 @@ def test_logprobs_of_logits_split_over_the_vocabulary_are_the_whole_ones():
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
     assert result["ids_on_each_rank"], result
     assert result["picked_gap"] < 1e-5 and result["entropy_gap"] < 1e-4 and result["grad_gap"] < 1e-5, result
+
+
+def test_sequence_parallel_layers_are_one_process_layers():
+    """Sequence parallelism: between the layers each rank holds its share of the positions (7 and 6 of 13; of a
+    one-position decode step rank 0 holds it) and the logits and every gradient equal one process's, for a dense
+    Qwen3 and a Qwen3-MoE whose experts run whole on each rank (tests/sequence_parallel_check.py)."""
+    proc = run_script("tests/sequence_parallel_check.py", [], nproc=2)
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    for model in ("qwen3", "qwen3_moe"):
+        assert result[model]["residual_stream"] == [["S(1)", 7], ["S(1)", 1]], result
+        assert result[model]["logit_gap"] < 1e-5 and result[model]["relative_grad_gap"] < 1e-5, result
