@@ -41,7 +41,7 @@ from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics, rol
 from forge_core.lora import base_model, has_adapter
 from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, linear_kernel, load_tokenizer, set_gradient_sync,
                               turn_end)
-from forge_core.moe import Routers, real_tokens
+from forge_core.moe import Routers, check_routers, real_tokens
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
 from forge_core.rollout import Rollout, balanced_share, engine_share, shared_prompt_rows
 from forge_core.routes import RoutingReplay, read_routes, replayed_routes, route_args
@@ -556,6 +556,7 @@ def main() -> None:
     game = is_game(env_class, cfg.env)                # builds one: a game OpenSpiel lacks fails here
     tokenizer = load_tokenizer(cfg.model)
     check_tensor_parallel(cfg.engine, cfg.model)
+    check_routers(cfg.model, cfg.train.routing_replay != "off")
     context = context_length(cfg.engine, cfg.model)
     frame = len(chat_prompt_ids(tokenizer, ""))      # the template's tokens around a first message
     if cfg.env.name is not None and frame + cfg.env.max_episode_tokens > context:

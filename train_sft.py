@@ -27,7 +27,7 @@ from forge_core.logprobs import chosen_logprobs
 from forge_core.metrics import MetricLogger, peak_memory_gb, reduce_metrics
 from forge_core.model import (FSDPConfig, ModelConfig, bf16_chosen, linear_kernel, load_tokenizer, set_gradient_sync,
                               turn_end)
-from forge_core.moe import Routers, real_tokens
+from forge_core.moe import Routers, check_routers, real_tokens
 from forge_core.optim import BadSteps, OptimConfig, build_optimizer, optimizer_step
 from forge_core.tensor_parallel import vocab_parallel
 from forge_core.weights import build_model, export_hf
@@ -217,6 +217,7 @@ def main() -> None:
         close_dist()
         return
     tokenizer = load_tokenizer(cfg.model)
+    check_routers(cfg.model)
     examples, eval_rows, cuts = load_examples(cfg.data, tokenizer)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, d.mesh, cfg.fsdp, cfg.train.seed)

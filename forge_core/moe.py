@@ -29,9 +29,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .config import ForgeError
 from .metrics import reduce_sum
+from .model import ModelConfig
 
 __all__ = ["is_fused_experts", "checkpoint_tensors", "local_experts", "engine_destinations", "repack", "synced_experts",
-           "moe_blocks", "Routers", "real_tokens"]
+           "moe_blocks", "check_routers", "Routers", "real_tokens"]
 
 _PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}    # fused: checkpoint projections
 _ENGINE = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}                  # vLLM: trainer
@@ -124,6 +125,21 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
 
 
+def check_routers(model: ModelConfig, routing_replay: bool = False) -> None:
+    """`model.router_aux_loss` and `train.routing_replay` need a Mixture-of-Experts model: one that has none is a
+    config error before any work (its config counts experts: Qwen3-MoE's and OLMoE's `num_experts`, Mixtral's
+    `num_local_experts`)."""
+    asked = [name for name, on in (("model.router_aux_loss", model.router_aux_loss > 0),
+                                   ("train.routing_replay", routing_replay)) if on]
+    if not asked:
+        return
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code).get_text_config()
+    if not (getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0)):
+        raise ForgeError(f"config error: {asked[0]} is set, but model.path '{model.path}' is not a Mixture-of-Experts "
+                         "model (it has no routers)")
+
+
 class Routers:
     """A model's routers (the `gate` of each block that has `experts`; none for a dense model), watched by forward
     hooks during training forwards (gradients on, not backward's recomputation): their logits, and which tokens
@@ -131,9 +147,6 @@ class Routers:
 
     def __init__(self, model: nn.Module, aux_loss_weight: float = 0.0):
         blocks = moe_blocks(model)
-        if aux_loss_weight and not blocks:
-            raise ForgeError("config error: model.router_aux_loss is set, but the model has no routers (it is not "
-                             "a Mixture-of-Experts model)")
         self.weight = aux_loss_weight
         self.layers = len(blocks)
         self.experts = blocks[0].gate.num_experts if blocks else 0

@@ -22,7 +22,6 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from .config import ForgeError
 from .metrics import reduce_metrics
 from .moe import moe_blocks
 
@@ -119,9 +118,6 @@ class RoutingReplay:
 
     def __init__(self, model: nn.Module, replay: bool):
         blocks = moe_blocks(model)
-        if not blocks:
-            raise ForgeError("config error: train.routing_replay is set, but the model has no routers (it is not a "
-                             "Mixture-of-Experts model)")
         self.replay, self.routes = replay, None
         self.differ, self.total = 0.0, 0.0
         model.register_forward_pre_hook(self._take_routes)

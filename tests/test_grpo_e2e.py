@@ -100,6 +100,8 @@ def test_dynamic_sampling_drops_zero_variance_groups_from_the_loss(tiny, tmp_pat
      "128-token context"),
     (["--env.name", "tests/envs_for_tests.py:Chatter", "--train.routing_replay", "replay"],
      "config error: train.routing_replay=replay is for single-turn rollouts"),
+    (["--train.routing_replay", "measure"],
+     "config error: train.routing_replay is set, but model.path"),
     (["--layout.policy", "2", "--layout.reference", "0", "--data.eval_rows", "1"],
      "(data.eval_rows=1) for 2 policy ranks: give each at least one"),
     (["--layout.policy", "3", "--layout.reference", "0", "--layout.reward", "0", "--train.prompts_per_step", "9",

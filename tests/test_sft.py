@@ -139,8 +139,10 @@ def _fails_cleanly(proc, *fragments: str) -> None:
     (["--model.path", "/nonexistent/model"], ["model error: model.path '/nonexistent/model': no such directory"]),
     pytest.param(["--model.attention", "flex_attention"], ["config error: model.attention=flex_attention needs a GPU"],
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only error")),
+    (["--model.router_aux_loss", "0.01"], ["config error: model.router_aux_loss is set, but model.path",
+                                           "is not a Mixture-of-Experts model"]),
 ])
-def test_missing_paths_and_cpu_only_settings_are_clear_errors(tiny, tmp_path, override, fragments):
+def test_missing_paths_and_settings_the_model_cannot_take_are_clear_errors(tiny, tmp_path, override, fragments):
     proc = run_script("train_sft.py", tiny_sft_args(tiny, tmp_path / "out", *override), check=False)
     assert proc.returncode == 2
     _fails_cleanly(proc, *fragments)
