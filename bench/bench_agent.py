@@ -12,8 +12,8 @@ engine).
   train_grpo.py logs as perf/generate_tokens_per_s); medians over --repeats rollouts after one untimed.
 - single-turn peer (same engine, right after each lock-step rollout): one request per episode on its first prompt,
   exactly as many tokens as the episode's model tokens (min_tokens = max_tokens, EOS ignored): the same tokens
-  with the same length spread. `peer + observations`: the same after the episode's observation tokens (all the
-  tokens a turn loop prefills, in one prompt). `fixed-length peer`: every sample the mean length (the spread's cost).
+  with the same length spread. `peer + observations`: the same after the episode's observation tokens, prefilled
+  whole (all the tokens a turn loop must prefill, in one prompt: the bound a turn loop can reach). `fixed-length peer`: every sample the mean length (the spread's cost).
 - engine steps: `llm_engine.step` calls per rollout (a lock-step turn lasts as long as its longest episode).
 Models: each job's SFT model when its `make run-*` made one, else its untrained init (said in the table).
 Target: the turn loop's tokens/s at least 0.8 of the single-turn peer's.
@@ -72,8 +72,10 @@ def peer_rate(engine, rollout, counter: StepCounter, fixed: bool = False, observ
     prompts, lengths = [{"prompt_token_ids": ids} for ids, _ in played], [n for _, n in played]
     if fixed:
         lengths = [round(sum(lengths) / len(lengths))] * len(lengths)
-    params = [SamplingParams(n=1, max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=0, detokenize=False)
-              for n in lengths]
+    # with observations, each prompt prefilled whole: a group's episodes share the prefix cache's blocks of their
+    # prompt and observations here, which a turn loop's episodes, their own samples in between, do not
+    params = [SamplingParams(n=1, max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=0, detokenize=False,
+                             skip_reading_prefix_cache=True if observations else None) for n in lengths]
     counter.take()
     t0 = time.perf_counter()
     outputs = engine.generate(prompts, params, use_tqdm=False)

@@ -66,7 +66,8 @@ class Sessions:
         if not keep:
             self.end(key)
         session = self.open.get(key)
-        if session is None:
+        new = session is None
+        if new:
             params.output_kind = RequestOutputKind.DELTA
             request = self.engine.input_processor.process_inputs(
                 str(key), {"prompt_token_ids": list(context)}, params, supported_tasks=self.tasks, resumable=keep)
@@ -81,6 +82,8 @@ class Sessions:
         session.held, session.turn = len(context), Turn()
         self.running.add(key)
         self.engine.output_processor.add_request(request, None, None, 0)
+        if new:     # the logprobs' tokens go undecoded (their text is never read: a tokenizer call per token)
+            self.engine.output_processor.request_states[request.request_id].logprobs_processor.tokenizer = None
         core = copy.copy(request)
         core.prompt_token_ids = list(request.prompt_token_ids)
         self.engine.engine_core.add_request(core)
