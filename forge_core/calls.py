@@ -19,7 +19,9 @@ __all__ = ["CallPool"]
 class CallPool:
     def __init__(self, workers: int, timeout_s: float):
         self.workers, self.timeout_s = workers, timeout_s
-        self.changed = threading.Condition(threading.Lock())    # guards what follows; notified when a call is asked for or ends
+        lock = threading.Lock()                 # guards what follows
+        self.work = threading.Condition(lock)   # notified when a call is asked for (one idle thread takes it) or on close
+        self.changed = threading.Condition(lock)    # notified when a call starts or ends: `answers` waits on it
         self.waiting: deque = deque()           # (key, call, args, asked at)
         self.running: dict[int, tuple[Hashable, float]] = {}    # call number -> (key, started at)
         self.done: list[tuple[Hashable, object]] = []
@@ -33,7 +35,7 @@ class CallPool:
         with self.changed:
             self.waiting.append((key, call, args, time.monotonic() if asked is None else asked))
             self._grow()
-            self.changed.notify()
+            self.work.notify()
 
     def pending(self) -> bool:
         with self.changed:
@@ -59,7 +61,7 @@ class CallPool:
         """Ends the threads that wait for work (hung ones end when their call does)."""
         with self.changed:
             self.closed = True
-            self.changed.notify_all()
+            self.work.notify_all()
 
     def _grow(self) -> None:
         while self.threads < min(self.workers, len(self.running) + len(self.waiting)):
@@ -80,7 +82,7 @@ class CallPool:
     def _next(self):
         with self.changed:
             while not self.waiting and not self.closed:
-                self.changed.wait()
+                self.work.wait()
             if self.closed:
                 self.threads -= 1
                 return None

@@ -71,7 +71,7 @@ from .rollout import Rollout, pad_left, pad_right
 from .sessions import Sessions
 
 __all__ = ["EnvConfig", "END_REASONS", "engine_args", "load_env", "stop_strings", "engine_stops", "run_episodes",
-           "Episode", "take_turn", "bounded_calls", "env_error", "observation_ids", "to_rollout", "subreaping"]
+           "Episode", "take_turn", "turn_room", "bounded_calls", "env_error", "observation_ids", "to_rollout", "subreaping"]
 
 END_REASONS = ("done", "max_turns", "budget", "env_error")
 TOOL_COUNTS = ("tool_errors", "tool_timeouts")          # optional counters of an environment instance
@@ -283,10 +283,15 @@ def _turn_params(episode: Episode, sampling: SamplingConfig, cfg: EnvConfig, gre
     if len(episode.context()) >= limit:
         episode.end_reason = "budget"
         return None
-    room = min(sampling.max_tokens, cfg.max_episode_tokens - len(episode.ids), limit - len(episode.context()))
     return sampling_params(sampling, greedy, n=1, stop=[s for s in stops if isinstance(s, str)],
-                           include_stop_str_in_output=True, max_tokens=room, seed=seed,
-                           stop_token_ids=list(end_ids) + [s for s in stops if isinstance(s, int)])
+                           include_stop_str_in_output=True, max_tokens=turn_room(episode, sampling, cfg, limit),
+                           seed=seed, stop_token_ids=list(end_ids) + [s for s in stops if isinstance(s, int)])
+
+
+def turn_room(episode: Episode, sampling: SamplingConfig, cfg: EnvConfig, limit: int) -> int:
+    """The most tokens the episode's next turn may sample: `sampling.max_tokens` within what is left of its
+    `env.max_episode_tokens` and of the engine's `limit` on a sequence."""
+    return min(sampling.max_tokens, cfg.max_episode_tokens - len(episode.ids), limit - len(episode.context()))
 
 
 def _answers(calls: CallPool, wait: bool, spared: frozenset[int]) -> list[tuple[int, object]]:

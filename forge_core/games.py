@@ -46,7 +46,8 @@ from torch import Tensor
 from .config import ForgeError
 from .data import chat_prompt_ids
 from .engine import SamplingConfig, max_model_len, sampling_params, seeded_draws
-from .env import EnvConfig, Episode, bounded_calls, env_error, observation_ids, subreaping, take_turn, to_rollout
+from .env import (EnvConfig, Episode, bounded_calls, env_error, observation_ids, subreaping, take_turn, to_rollout,
+                  turn_room)
 from .model import turn_end
 from .processes import descendants
 from .rollout import Rollout, cat_rollouts
@@ -333,9 +334,7 @@ def _moves(sessions: Sessions, movers: list[_Game], sampling: SamplingConfig, en
     each game's move text, by the game's id."""
     episodes = [g.seats[g.to_move] for g in movers]
     params = [sampling_params(sampling, greedy, n=1, stop_token_ids=list(end_ids),
-                              max_tokens=min(sampling.max_tokens, env_cfg.max_episode_tokens - len(e.ids),
-                                             limit - len(e.context())))
-              for e in episodes]
+                              max_tokens=turn_room(e, sampling, env_cfg, limit)) for e in episodes]
     with seeded_draws(seed):
         turns = sessions.turns([id(e) for e in episodes], [e.context() for e in episodes], params)
     return {id(g): take_turn(e, turn, [])[0] for g, e, turn in zip(movers, episodes, turns)}
