@@ -13,7 +13,8 @@ engine).
 - single-turn peer (same engine, right after each lock-step rollout): one request per episode on its first prompt,
   exactly as many tokens as the episode's model tokens (min_tokens = max_tokens, EOS ignored): the same tokens
   with the same length spread. `peer + observations`: the same after the episode's observation tokens, prefilled
-  whole (all the tokens a turn loop must prefill, in one prompt: the bound a turn loop can reach). `fixed-length peer`: every sample the mean length (the spread's cost).
+  whole (all the tokens a turn loop must prefill, in one prompt: the bound a turn loop can reach). `fixed-length
+  peer`: every sample the mean length (the spread's cost).
 - engine steps: `llm_engine.step` calls per rollout (a lock-step turn lasts as long as its longest episode).
 Models: each job's SFT model when its `make run-*` made one, else its untrained init (said in the table).
 Target: the turn loop's tokens/s at least 0.8 of the single-turn peer's.

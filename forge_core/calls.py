@@ -20,7 +20,7 @@ class CallPool:
     def __init__(self, workers: int, timeout_s: float):
         self.workers, self.timeout_s = workers, timeout_s
         lock = threading.Lock()                 # guards what follows
-        self.work = threading.Condition(lock)   # notified when a call is asked for (one idle thread takes it) or on close
+        self.work = threading.Condition(lock)   # notified when a call is asked for (one idle thread wakes) or at close
         self.changed = threading.Condition(lock)    # notified when a call starts or ends: `answers` waits on it
         self.waiting: deque = deque()           # (key, call, args, asked at)
         self.running: dict[int, tuple[Hashable, float]] = {}    # call number -> (key, started at)

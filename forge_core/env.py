@@ -71,7 +71,8 @@ from .rollout import Rollout, pad_left, pad_right
 from .sessions import Sessions
 
 __all__ = ["EnvConfig", "END_REASONS", "engine_args", "load_env", "stop_strings", "engine_stops", "run_episodes",
-           "Episode", "take_turn", "turn_room", "bounded_calls", "env_error", "observation_ids", "to_rollout", "subreaping"]
+           "Episode", "take_turn", "turn_room", "bounded_calls", "env_error", "observation_ids", "to_rollout",
+           "subreaping"]
 
 END_REASONS = ("done", "max_turns", "budget", "env_error")
 TOOL_COUNTS = ("tool_errors", "tool_timeouts")          # optional counters of an environment instance

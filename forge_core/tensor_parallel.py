@@ -1,6 +1,6 @@
 """Tensor parallelism in training: `fsdp.tensor_parallel_size` ranks split each decoder layer's attention heads and
 MLP width (Megatron's layout), FSDP2 shards over the data-parallel ranks, the 2-D mesh ("dp", "tp") with each
-tensor-parallel block of consecutive ranks, inside a node, where the per-layer all-reduces are cheap.
+tensor-parallel block of consecutive ranks, inside a node, where the per-layer collectives are cheap.
 
 The plan is torchtitan's, by the HF module names: q/k/v and gate/up `ColwiseParallel`, o/down `RowwiseParallel` (a
 reduce-scatter after each), the embedding `RowwiseParallel` over the vocabulary, the head `ColwiseParallel` with its

@@ -1,8 +1,8 @@
 """2 ranks (torchrun) for tests/test_tensor_parallel.py: `tensor_parallel.parallelize`'s plan, sequence parallelism
 included, against the same model in one process: a tiny Qwen3 and a tiny Qwen3-MoE (experts whole on each rank),
 forward and backward on 13 positions (odd: the ranks hold 7 and 6 of them) and on 1 (a decode step: one rank holds
-none). Rank 0 prints one JSON line: the largest logit gap and relative gradient gap, and how the residual stream between the
-layers is laid out.
+none). Rank 0 prints one JSON line: the largest logit gap and relative gradient gap, and how the residual stream
+between the layers is laid out.
 
     torchrun --standalone --nproc_per_node 2 tests/sequence_parallel_check.py
 """
