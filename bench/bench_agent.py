@@ -17,7 +17,8 @@ engine).
   peer`: every sample the mean length (the spread's cost).
 - engine steps: `llm_engine.step` calls per rollout (a lock-step turn lasts as long as its longest episode).
 Models: each job's SFT model when its `make run-*` made one, else its untrained init (said in the table).
-Target: the turn loop's tokens/s at least 0.8 of the single-turn peer's.
+Target: the turn loop's tokens/s at least 0.8 of the single-turn peer's; the peer + observations is the bound
+a turn loop can reach on the engine (its ratio column).
 """
 import argparse
 import dataclasses
@@ -145,10 +146,11 @@ def slowed(step, seconds: float):
 
 def report(results: dict[str, dict], delay_ms: float) -> str:
     lines = [f"environment steps {delay_ms:g} ms slower" if delay_ms else "environments as they are",
-             "| job (model) | rollout | model tokens/s | ratio to peer | engine steps | turns | model tokens per "
-             "episode | wall (s) | waited on env / env calls (s) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| job (model) | rollout | model tokens/s | ratio to peer | ratio to peer + observations | engine steps | "
+             "turns | model tokens per episode | wall (s) | waited on env / env calls (s) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for job, (model, r) in results.items():
-        peer = r["peer"]["tokens_per_s"]
+        peer, bound = r["peer"]["tokens_per_s"], r["prefill"]["tokens_per_s"]
         for name in ("turns", "continuous", "peer", "prefill", "fixed"):
             if name not in r:
                 continue
@@ -161,7 +163,7 @@ def report(results: dict[str, dict], delay_ms: float) -> str:
             extra = (f"{f['turns']:.2f} | {f['model_tokens']:.1f} | {f['wall_s']:.3f} | {f['waited_s']:.3f} / "
                      f"{f['env_calls_s']:.3f}" if "turns" in f else " | | | ")
             lines.append(f"| {job} ({model}) | {label} | {f['tokens_per_s']:.0f} | {ratio:.3f}{mark} | "
-                         f"{f['steps']:.0f} | {extra} |")
+                         f"{f['tokens_per_s'] / bound:.3f} | {f['steps']:.0f} | {extra} |")
     return "\n".join(lines)
 
 
