@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .config import ForgeError
 from .dist import Roles, freeze_startup_objects, mirror_world_calls, published_world_calls
-from .model import ModelConfig, bf16_chosen, cpu_has_bf16
+from .model import ModelConfig, bf16_chosen, cpu_has_bf16, model_config
 from .rollout import Rollout, pad_left, pad_right
 from .routes import attach_routes
 
@@ -204,8 +204,7 @@ def check_tensor_parallel(cfg: EngineConfig, model: ModelConfig) -> None:
     tp = cfg.tensor_parallel_size
     if tp == 1:
         return
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+    config = model_config(model)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % tp or (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
@@ -218,8 +217,7 @@ def context_length(cfg: EngineConfig, model: ModelConfig) -> int:
     or else the model's max_position_embeddings (vLLM's default)."""
     if cfg.max_model_len is not None:
         return cfg.max_model_len
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code).max_position_embeddings
+    return model_config(model).max_position_embeddings
 
 
 def engine_dtype(setting: str, on_gpu: bool) -> str:

@@ -21,8 +21,8 @@ from .config import ForgeError
 from .lora import LoRAConfig
 from .tensor_parallel import parallelize
 
-__all__ = ["ModelConfig", "FSDPConfig", "TurnEnd", "turn_end", "local_dir", "load_tokenizer", "shard", "linear_kernel",
-           "cpu_has_bf16", "cpu_prefers_bf16", "bf16_chosen", "use_onednn_linears", "onednn_linear",
+__all__ = ["ModelConfig", "FSDPConfig", "TurnEnd", "turn_end", "local_dir", "model_config", "load_tokenizer", "shard",
+           "linear_kernel", "cpu_has_bf16", "cpu_prefers_bf16", "bf16_chosen", "use_onednn_linears", "onednn_linear",
            "set_gradient_sync"]
 
 
@@ -84,6 +84,12 @@ def local_dir(path: str) -> str:
         return path
     from huggingface_hub import snapshot_download
     return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
+
+
+def model_config(cfg: ModelConfig):
+    """The model's transformers config (its config.json): what the checks made before any weights load read."""
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
 
 
 def load_tokenizer(cfg: ModelConfig):

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .config import ForgeError
 from .metrics import reduce_sum
-from .model import ModelConfig
+from .model import ModelConfig, model_config
 
 __all__ = ["is_fused_experts", "checkpoint_tensors", "local_experts", "engine_destinations", "repack", "synced_experts",
            "moe_blocks", "check_routers", "Routers", "real_tokens"]
@@ -133,8 +133,7 @@ def check_routers(model: ModelConfig, routing_replay: bool = False) -> None:
                                    ("train.routing_replay", routing_replay)) if on]
     if not asked:
         return
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code).get_text_config()
+    config = model_config(model).get_text_config()
     if not (getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0)):
         raise ForgeError(f"config error: {asked[0]} is set, but model.path '{model.path}' is not a Mixture-of-Experts "
                          "model (it has no routers)")

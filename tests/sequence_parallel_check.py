@@ -17,6 +17,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from forge_core.dist import run_main
 from forge_core.tensor_parallel import parallelize
+from forge_core.weights import full_tensor
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
@@ -42,17 +43,13 @@ def compare(name: str, mesh) -> dict:
         (logits ** 2).sum().backward(), (split_logits ** 2).sum().backward()
         logit_gap = max(logit_gap, (logits - split_logits).abs().max().item())
         grads = {n: p.grad for n, p in split.named_parameters()}
-        grad_gap = max(grad_gap, *(((p.grad - _whole(grads[n])).abs().max() / p.grad.abs().max()).item()
+        grad_gap = max(grad_gap, *(((p.grad - full_tensor(grads[n])).abs().max() / p.grad.abs().max()).item()
                                    for n, p in one.named_parameters()))
     return {"logit_gap": logit_gap, "relative_grad_gap": grad_gap, "residual_stream": streams}
 
 
 def _layout(t) -> list:
     return [str(t.placements[0]), t.to_local().shape[1]] if isinstance(t, DTensor) else ["whole", t.shape[1]]
-
-
-def _whole(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def main() -> None:
